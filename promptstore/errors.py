@@ -1,0 +1,59 @@
+"""Every error promptstore raises, in one place.
+
+Each error says what was wrong and what was expected. Anything that raises one
+of these has left the caller's caches and the store as they were.
+"""
+
+
+class PromptStoreError(Exception):
+    """Base of every promptstore error."""
+
+
+# --- caches and snapshots ---------------------------------------------------
+
+
+class CacheError(PromptStoreError):
+    """A cache or snapshot operation was given input it cannot use."""
+
+
+class CacheShapeError(CacheError):
+    """Arrays of the wrong rank, head count, head dim, batch or dtype."""
+
+
+class SnapshotKindError(CacheError):
+    """A snapshot of another kind or layout than the cache it is applied to."""
+
+
+class SnapshotRangeError(CacheError):
+    """Offsets that are negative, out of order, or outside a snapshot's span."""
+
+
+class SnapshotFormatError(CacheError):
+    """A serialized snapshot whose metadata or arrays are malformed."""
+
+
+class UnknownKindError(SnapshotFormatError):
+    """A serialized kind name that is not in the closed registry."""
+
+
+class UnsupportedCacheError(CacheError):
+    """A cache object promptstore does not know how to adopt or snapshot."""
+
+
+# --- index ------------------------------------------------------------------
+
+
+class IndexStoreError(PromptStoreError):
+    """The LMDB index refused an operation."""
+
+
+class InvalidTokensError(IndexStoreError, ValueError):
+    """Tokens that are not a non-empty sequence of 32-bit non-negative ints."""
+
+
+class SchemaVersionError(IndexStoreError):
+    """The store was written by a schema this code cannot read."""
+
+
+class CorruptRecordError(IndexStoreError):
+    """An index record failed to decode or validate."""
