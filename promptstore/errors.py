@@ -57,3 +57,31 @@ class SchemaVersionError(IndexStoreError):
 
 class CorruptRecordError(IndexStoreError):
     """An index record failed to decode or validate."""
+
+
+class StaleInsertError(IndexStoreError):
+    """The trie changed between plan_insert and commit_insert; plan again."""
+
+
+class KeyCollisionError(IndexStoreError):
+    """A new node's key is already taken by another prefix; the insert was refused."""
+
+
+class NodeNotFoundError(IndexStoreError, KeyError):
+    """No node with that key in that namespace."""
+
+
+class NodeHasChildrenError(IndexStoreError):
+    """Only leaves can be removed; the node still has children."""
+
+
+class UnknownNamespaceError(IndexStoreError, KeyError):
+    """A namespace that was never registered in this index."""
+
+
+class RecordLayoutError(IndexStoreError, ValueError):
+    """A node record whose layers do not match its namespace, or missing records."""
+
+
+class ReadOnlyIndexError(IndexStoreError):
+    """A write to an index opened read-only."""

@@ -1,0 +1,37 @@
+# promptstore: `make demo` and `make test` each set up .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+# Linux: MLX's CPU wheel bundles a slow reference BLAS. Benchmarks preload
+# OpenBLAS when it is installed (`make openblas`) so no-cache baselines are fair.
+OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
+
+.PHONY: setup demo test test-slow bench openblas clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/promptstore demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+bench: setup
+	$(BLAS_ENV) $(BIN)/python tools/bench/bench_snapshots.py
+
+openblas:
+	@test -f $(OPENBLAS) || (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

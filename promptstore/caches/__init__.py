@@ -1,0 +1,50 @@
+"""Every cache kind a model needs, each with the snapshot protocol.
+
+Each kind is mlx-lm's class of the same name, extended; use them wherever
+mlx-lm's caches go. Whole-model operations are plain functions.
+"""
+
+from .arrays import ArraysCache
+from .base import SnapshotProtocol
+from .batch import BatchKVCache, BatchRotatingKVCache
+from .cache_list import CacheList
+from .kv import ChunkedKVCache, KVCache, QuantizedKVCache
+from .mlx_lm_files import load_mlx_lm_prompt_cache, save_mlx_lm_prompt_cache
+from .prompt import (
+    adopt_prompt_cache,
+    make_prompt_cache,
+    merge_prompt_snapshots,
+    prompt_layout,
+    prompt_position,
+    prompt_reachable,
+    restore_prompt_cache,
+    snapshot_prompt_cache,
+    split_prompt_snapshots,
+)
+from .registry import KINDS, adopt, kind_class
+from .rotating import RotatingKVCache
+from .serialize import FORMAT_VERSION, from_flat, to_flat
+from .snapshot import Snapshot, arrays_equal
+from .speculation import Speculation, begin_speculation
+
+
+def merge_snapshots(parent, child):
+    """`[a, b)` + `[b, c)` -> `[a, c)` for any kind (dispatched on the snapshot's kind)."""
+    kind = (parent or child).kind
+    return kind_class(kind).merge_snapshots(parent, child)
+
+
+def split_snapshot(snapshot, at):
+    """`[a, c)` -> (`[a, at)`, `[at, c)`) for any kind; (None, snapshot) where it cannot."""
+    return kind_class(snapshot.kind).split_snapshot(snapshot, at)
+
+
+__all__ = [
+    "ArraysCache", "BatchKVCache", "BatchRotatingKVCache", "CacheList", "ChunkedKVCache",
+    "FORMAT_VERSION", "KINDS", "KVCache", "QuantizedKVCache", "RotatingKVCache", "Snapshot",
+    "SnapshotProtocol", "Speculation", "adopt", "adopt_prompt_cache", "arrays_equal",
+    "begin_speculation", "from_flat", "kind_class", "load_mlx_lm_prompt_cache",
+    "make_prompt_cache", "merge_prompt_snapshots", "merge_snapshots", "prompt_layout",
+    "prompt_position", "prompt_reachable", "restore_prompt_cache", "save_mlx_lm_prompt_cache",
+    "snapshot_prompt_cache", "split_prompt_snapshots", "split_snapshot", "to_flat",
+]

@@ -1,0 +1,164 @@
+"""The snapshot protocol every cache kind implements, and shared checks.
+
+`restore` is split into `plan_restore` (validate and compute the new state,
+touching nothing) and `apply_restore` (assign it), so a restore either happens
+whole or not at all, for one layer, a cache list, or a whole model.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, ClassVar, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from ..errors import SnapshotKindError, SnapshotRangeError
+from .snapshot import Snapshot
+
+SnapshotChain = Union[Snapshot, Sequence[Snapshot]]
+
+# New buffers get room for this many tokens past the restored ones, so the
+# first decode step writes in place instead of copying the whole buffer.
+STEP = 256
+
+
+def as_position(value: Any, what: str) -> int:
+    """An int position >= 0, or a SnapshotRangeError saying what was given."""
+    try:
+        pos = operator.index(value)
+    except TypeError:
+        raise SnapshotRangeError(f"{what} must be an int, got {value!r}") from None
+    if pos < 0:
+        raise SnapshotRangeError(f"{what} must be >= 0, got {pos}")
+    return pos
+
+
+def headroom(target: int) -> int:
+    """Free slots to allocate after `target` tokens: up to the next step, at least one."""
+    return (target // STEP + 1) * STEP - target
+
+
+class SnapshotProtocol:
+    """Mixin giving an mlx-lm cache class the snapshot protocol.
+
+    kind: closed-registry name, written into serialized snapshots.
+    whole_state: snapshots hold the whole state at their end (not a range).
+    can_split: snapshots split at any position inside their span.
+    """
+
+    kind: ClassVar[str]
+    whole_state: ClassVar[bool] = False
+    can_split: ClassVar[bool] = True
+
+    # --- what each kind provides ------------------------------------------
+
+    @property
+    def position(self) -> int:
+        """Token positions this cache has seen (its offset)."""
+        return self.offset
+
+    def layout(self) -> dict:
+        """The settings a snapshot must share with this cache to be restored."""
+        return {}
+
+    def snapshot(self, from_offset: int = 0) -> Snapshot:
+        """The state needed to go from `from_offset` to the current position."""
+        raise NotImplementedError
+
+    def plan_restore(self, snapshot: Optional[SnapshotChain], target: int):
+        """New attribute values that bring the cache to `target`, or None if
+        `target` is unreachable. Raises on bad input; changes nothing."""
+        raise NotImplementedError
+
+    @classmethod
+    def merge_snapshots(cls, parent: Optional[Snapshot], child: Optional[Snapshot]):
+        """`[a, b)` + `[b, c)` -> `[a, c)`; whole-state kinds: the child supersedes."""
+        raise NotImplementedError
+
+    @classmethod
+    def split_snapshot(cls, snapshot: Snapshot, at: int):
+        """`[a, c)` -> (`[a, at)`, `[at, c)`); kinds that cannot: (None, snapshot)."""
+        raise NotImplementedError
+
+    @classmethod
+    def validate_snapshot(cls, snapshot: Snapshot) -> None:
+        """Raise a typed error if the snapshot's arrays or scalars are malformed."""
+        raise NotImplementedError
+
+    @classmethod
+    def reachable(cls, snapshot: Snapshot, target: int) -> bool:
+        """Whether a fresh cache can be restored from `snapshot` to `target`."""
+        if cls.whole_state:
+            return target == snapshot.end
+        return snapshot.start == 0 and 0 <= target <= snapshot.end
+
+    # --- shared behaviour --------------------------------------------------
+
+    def restore(self, snapshot: Optional[SnapshotChain], target: int) -> bool:
+        """Bring the cache to `target` from `snapshot` (a snapshot or a chain of
+        consecutive snapshots), or rewind in place when it is None. Returns
+        False, leaving the cache unchanged, when `target` is unreachable."""
+        plan = self.plan_restore(snapshot, target)
+        if plan is None:
+            return False
+        self.apply_restore(plan)
+        return True
+
+    def apply_restore(self, plan: dict) -> None:
+        for name, value in plan.items():
+            setattr(self, name, value)
+
+    def check_layout(self, snapshot: Snapshot) -> None:
+        if snapshot.kind != self.kind:
+            raise SnapshotKindError(
+                f"a {snapshot.kind!r} snapshot cannot restore a {self.kind!r} cache"
+            )
+        mine = self.layout()
+        theirs = {k: snapshot.scalars.get(k) for k in mine}
+        if theirs != mine:
+            raise SnapshotKindError(
+                f"snapshot layout {theirs} does not match the cache's {mine}"
+            )
+
+
+def as_chain(snapshot: SnapshotChain, kind: str) -> list[Snapshot]:
+    """A non-empty list of consecutive snapshots of one kind."""
+    chain = [snapshot] if isinstance(snapshot, Snapshot) else list(snapshot)
+    if not chain:
+        raise SnapshotRangeError("an empty chain of snapshots restores nothing")
+    for s in chain:
+        if not isinstance(s, Snapshot):
+            raise SnapshotKindError(f"expected a Snapshot, got {type(s).__name__}")
+        if s.kind != kind:
+            raise SnapshotKindError(
+                f"a {s.kind!r} snapshot cannot restore a {kind!r} cache"
+            )
+    for a, b in zip(chain, chain[1:]):
+        if a.end != b.start:
+            raise SnapshotRangeError(
+                f"snapshots are not consecutive: [{a.start}, {a.end}) then "
+                f"[{b.start}, {b.end})"
+            )
+    return chain
+
+
+def check_consecutive(parent: Snapshot, child: Snapshot) -> None:
+    if parent.kind != child.kind:
+        raise SnapshotKindError(
+            f"cannot merge a {parent.kind!r} snapshot with a {child.kind!r} one"
+        )
+    if parent.end != child.start:
+        raise SnapshotRangeError(
+            f"cannot merge [{parent.start}, {parent.end}) with "
+            f"[{child.start}, {child.end}): not consecutive"
+        )
+    if _layout_of(parent) != _layout_of(child) and not parent.whole:
+        raise SnapshotKindError(
+            f"cannot merge snapshots of different layouts: {parent.scalars} "
+            f"and {child.scalars}"
+        )
+
+
+def _layout_of(snapshot: Snapshot) -> dict:
+    # data_start is a cursor, not a layout setting.
+    return {k: v for k, v in snapshot.scalars.items() if k != "data_start"}

@@ -1,0 +1,140 @@
+"""Cache lists: several caches behind one layer (hybrid blocks such as Falcon-H1).
+
+A cache list's snapshot holds one child snapshot per sub-cache; every
+operation is applied to all children or to none.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+from mlx_lm.models import cache as mlx_cache
+
+from ..errors import SnapshotFormatError, SnapshotKindError, SnapshotRangeError
+from .base import SnapshotChain, SnapshotProtocol, as_chain, as_position, check_consecutive
+from .snapshot import Snapshot
+
+
+class CacheList(SnapshotProtocol, mlx_cache.CacheList):
+    """mlx-lm's cache list whose children are promptstore caches."""
+
+    kind: ClassVar[str] = "cache_list"
+
+    def __init__(self, *caches):
+        from .registry import adopt
+
+        super().__init__(*(adopt(c) for c in caches))
+
+    @property
+    def position(self) -> int:
+        return max(c.position for c in self.caches)
+
+    @property
+    def whole(self) -> bool:
+        return any(c.whole_state for c in self.caches)
+
+    def layout(self) -> dict:
+        return {"kinds": [c.kind for c in self.caches]}
+
+    @property
+    def state(self):
+        return [(c.state, type(c).__name__) for c in self.caches]
+
+    @state.setter
+    def state(self, v):
+        from .registry import from_mlx_lm_state
+
+        self.caches = [from_mlx_lm_state(name, s) for s, name in v]
+
+    def snapshot(self, from_offset: int = 0) -> Snapshot:
+        lo = as_position(from_offset, "from_offset")
+        pos = self.position
+        if lo > pos:
+            raise SnapshotRangeError(f"from_offset {lo} is past the cache's position {pos}")
+        children = tuple(c.snapshot(lo) for c in self.caches)
+        return Snapshot(self.kind, lo, pos, self.whole, {}, self.layout(), children)
+
+    def plan_restore(self, snapshot: Optional[SnapshotChain], target: int):
+        target = as_position(target, "target")
+        if snapshot is None:
+            chains = [None] * len(self.caches)
+        else:
+            chain = as_chain(snapshot, self.kind)
+            for s in chain:
+                self.check_layout(s)
+                type(self).validate_snapshot(s)
+            chains = [[s.children[i] for s in chain] for i in range(len(self.caches))]
+        plans = []
+        for cache, sub in zip(self.caches, chains):
+            plan = cache.plan_restore(sub, target)
+            if plan is None:
+                return None
+            plans.append(plan)
+        return {"children": plans}
+
+    def apply_restore(self, plan: dict) -> None:
+        for cache, sub in zip(self.caches, plan["children"]):
+            cache.apply_restore(sub)
+
+    @classmethod
+    def reachable(cls, snapshot: Snapshot, target: int) -> bool:
+        from .registry import kind_class
+
+        return all(kind_class(c.kind).reachable(c, target) for c in snapshot.children)
+
+    @classmethod
+    def merge_snapshots(cls, parent: Optional[Snapshot], child: Optional[Snapshot]):
+        from .registry import kind_class
+
+        if parent is None or child is None:
+            return child if parent is None else parent
+        check_consecutive(parent, child)
+        for s in (parent, child):
+            cls.validate_snapshot(s)
+        if parent.scalars != child.scalars:
+            raise SnapshotKindError(f"cannot merge cache lists {parent.scalars} and {child.scalars}")
+        children = tuple(
+            kind_class(p.kind).merge_snapshots(p, c) for p, c in zip(parent.children, child.children)
+        )
+        return Snapshot(cls.kind, parent.start, child.end, child.whole, {}, dict(child.scalars), children)
+
+    @classmethod
+    def split_snapshot(cls, snapshot: Snapshot, at: int):
+        from .registry import kind_class
+
+        at = as_position(at, "split position")
+        cls.validate_snapshot(snapshot)
+        if at >= snapshot.end:
+            return snapshot, None
+        if at <= snapshot.start:
+            return None, snapshot
+        halves = [kind_class(c.kind).split_snapshot(c, at) for c in snapshot.children]
+        if any(upper is None or lower is None for upper, lower in halves):
+            return None, snapshot  # a child cannot split here, so neither can the list
+        uppers, lowers = zip(*halves)
+        scalars = dict(snapshot.scalars)
+        return (
+            Snapshot(cls.kind, snapshot.start, at, snapshot.whole, {}, scalars, tuple(uppers)),
+            Snapshot(cls.kind, at, snapshot.end, snapshot.whole, {}, dict(scalars), tuple(lowers)),
+        )
+
+    @classmethod
+    def validate_snapshot(cls, snapshot: Snapshot) -> None:
+        from .registry import kind_class
+
+        kinds = snapshot.scalars.get("kinds")
+        if snapshot.arrays or not isinstance(kinds, list) or len(kinds) != len(snapshot.children):
+            raise SnapshotFormatError(
+                f"a cache-list snapshot needs one child per kind, got kinds={kinds!r} "
+                f"and {len(snapshot.children)} children"
+            )
+        for kind, child in zip(kinds, snapshot.children):
+            if child.kind != kind or (child.start, child.end) != (snapshot.start, snapshot.end):
+                raise SnapshotFormatError(
+                    f"child {child!r} does not match kind {kind!r} over "
+                    f"[{snapshot.start}, {snapshot.end})"
+                )
+            kind_class(kind).validate_snapshot(child)
+
+    def extract(self, idx):
+        return CacheList(*(c.extract(idx) for c in self.caches))

@@ -1,0 +1,262 @@
+"""Range kinds: caches whose state is a run of per-position arrays on axis 2.
+
+Full attention (KV), quantized KV, chunked KV and batch KV all keep one entry
+per token position, so a snapshot is a slice of positions, merging is a
+concatenation, and splitting is two slices. A kind may keep only the newest
+positions (chunked attention drops whole chunks it no longer attends to); its
+snapshots then record `data_start`, the first position they hold data for.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+import mlx.core as mx
+
+from ..errors import CacheShapeError, SnapshotFormatError, SnapshotRangeError
+from .base import (
+    SnapshotChain,
+    SnapshotProtocol,
+    as_chain,
+    as_position,
+    check_consecutive,
+    headroom,
+)
+from .snapshot import Snapshot, own
+
+AXIS = 2
+
+
+def data_start(snapshot: Snapshot) -> int:
+    return int(snapshot.scalars.get("data_start", snapshot.start))
+
+
+class RangeKind(SnapshotProtocol):
+    """Generic snapshot protocol over named token arrays `[B, H, positions, D]`.
+
+    A kind says which live buffers it has, how to install new ones, and which
+    first position a restored cache must hold for a target (0 for full
+    attention: everything).
+    """
+
+    whole_state: ClassVar[bool] = False
+    can_split: ClassVar[bool] = True
+    trims_front: ClassVar[bool] = False  # data may start after the span's start
+
+    # --- hooks ---------------------------------------------------------------
+
+    def live_buffers(self) -> Optional[dict[str, mx.array]]:
+        """Token arrays by name, full capacity; None while the cache is empty."""
+        raise NotImplementedError
+
+    def live_data_start(self) -> int:
+        """First position the live buffers hold (index 0 of axis 2)."""
+        return 0
+
+    def plan_install(self, buffers: dict[str, mx.array], lo: int, target: int, last: Optional[Snapshot]) -> dict:
+        """Attributes for buffers holding positions [lo, target) plus headroom."""
+        raise NotImplementedError
+
+    def plan_rewind(self, target: int) -> Optional[dict]:
+        """Attributes for rewinding in place to `target` <= position, or None."""
+        raise NotImplementedError
+
+    def install_from(self, target: int) -> int:
+        """First position a cache at `target` must hold."""
+        return 0
+
+    def cursors(self) -> dict[str, mx.array]:
+        """Per-snapshot arrays that describe the end state, not positions."""
+        return {}
+
+    @classmethod
+    def cursors_at(cls, snapshot: Snapshot, at: int) -> dict[str, mx.array]:
+        """The cursor arrays of `snapshot` moved back to position `at`."""
+        return {}
+
+    @classmethod
+    def token_names(cls, snapshot: Snapshot) -> list[str]:
+        return [n for n in snapshot.arrays if n not in cls.cursor_names]
+
+    cursor_names: ClassVar[tuple[str, ...]] = ()
+    expected_names: ClassVar[tuple[str, ...]] = ("keys", "values")
+
+    # --- protocol --------------------------------------------------------------
+
+    def snapshot(self, from_offset: int = 0) -> Snapshot:
+        pos = self.position
+        lo = as_position(from_offset, "from_offset")
+        if lo > pos:
+            raise SnapshotRangeError(f"from_offset {lo} is past the cache's position {pos}")
+        live = self.live_buffers()
+        ds = max(lo, self.live_data_start())
+        arrays: dict[str, mx.array] = {}
+        if live is not None and pos > lo:
+            base = self.live_data_start()
+            arrays = {n: own(b[..., ds - base : pos - base, :]) for n, b in live.items()}
+        arrays.update({n: own(c) for n, c in self.cursors().items()})
+        scalars = dict(self.layout())
+        if self.trims_front:
+            scalars["data_start"] = ds if arrays else pos
+        return Snapshot(self.kind, lo, pos, False, arrays, scalars)
+
+    def plan_restore(self, snapshot: Optional[SnapshotChain], target: int):
+        target = as_position(target, "target")
+        if snapshot is None:
+            if target > self.position:
+                raise SnapshotRangeError(
+                    f"cannot rewind to {target}: the cache is at {self.position}"
+                )
+            return self.plan_rewind(target)
+        chain = as_chain(snapshot, self.kind)
+        for s in chain:
+            self.check_layout(s)
+            type(self).validate_snapshot(s)
+        start, end = chain[0].start, chain[-1].end
+        if target > end:
+            raise SnapshotRangeError(f"target {target} is past the snapshots' end {end}")
+        if start > self.position:
+            return None  # the chain builds on positions this cache lacks
+        if target <= start:
+            return self.plan_rewind(target)
+        lo = self.install_from(target)
+        pieces = self._gather(chain, lo, target)
+        if pieces is None:
+            return None
+        buffers = {n: mx.concatenate(p, axis=AXIS) for n, p in pieces.items()}
+        return self.plan_install(buffers, lo, target, chain[-1])
+
+    def _segments(self, chain: list[Snapshot]):
+        """(first, last, arrays) runs of positions available, oldest first."""
+        segs = []
+        start = chain[0].start
+        live = self.live_buffers()
+        if start > 0 and live is not None:
+            base = self.live_data_start()
+            if base < start:
+                segs.append((base, start, {n: b[..., : start - base, :] for n, b in live.items()}))
+        for s in chain:
+            names = self.token_names(s)
+            if s.length and names:
+                segs.append((data_start(s), s.end, {n: s.arrays[n] for n in names}))
+        return segs
+
+    def _gather(self, chain, lo, target):
+        """Slices covering positions [lo, target) continuously, or None."""
+        pieces: dict[str, list] = {}
+        covered = target
+        for first, last, arrays in reversed(self._segments(chain)):
+            if first >= covered:
+                continue
+            if last < covered:
+                return None  # a gap
+            take_lo = max(first, lo)
+            for n, a in arrays.items():
+                pieces.setdefault(n, []).insert(0, a[..., take_lo - first : covered - first, :])
+            covered = take_lo
+            if covered <= lo:
+                break
+        if covered > lo or not pieces:
+            return None
+        self._check_compatible(pieces)
+        template = {n: p[-1] for n, p in pieces.items()}
+        room = headroom(target)
+        for n, t in template.items():
+            pieces[n].append(mx.zeros((*t.shape[:2], room, t.shape[3]), dtype=t.dtype))
+        return pieces
+
+    def _check_compatible(self, pieces: dict[str, list]) -> None:
+        for n, parts in pieces.items():
+            ref = parts[0]
+            for p in parts[1:]:
+                if p.dtype != ref.dtype or p.shape[:2] != ref.shape[:2] or p.shape[3] != ref.shape[3]:
+                    raise CacheShapeError(
+                        f"{n!r}: cannot join arrays of shape {tuple(ref.shape)} {ref.dtype} "
+                        f"and {tuple(p.shape)} {p.dtype} (batch, heads, head dim and dtype must match)"
+                    )
+
+    @classmethod
+    def merge_snapshots(cls, parent: Optional[Snapshot], child: Optional[Snapshot]):
+        if parent is None or child is None:
+            return child if parent is None else parent
+        check_consecutive(parent, child)
+        for s in (parent, child):
+            cls.validate_snapshot(s)
+        if child.length == 0:
+            return parent
+        if parent.length == 0 or data_start(child) > child.start or not cls.token_names(parent):
+            arrays, ds = dict(child.arrays), data_start(child)
+        else:
+            arrays = {
+                n: mx.concatenate([parent.arrays[n], child.arrays[n]], axis=AXIS)
+                for n in cls.token_names(child)
+            }
+            arrays.update({n: child.arrays[n] for n in cls.cursor_names if n in child.arrays})
+            ds = data_start(parent)
+        scalars = dict(child.scalars)
+        if cls.trims_front:
+            scalars["data_start"] = ds
+        return Snapshot(cls.kind, parent.start, child.end, False, arrays, scalars)
+
+    @classmethod
+    def split_snapshot(cls, snapshot: Snapshot, at: int):
+        at = as_position(at, "split position")
+        cls.validate_snapshot(snapshot)
+        if at <= snapshot.start:
+            return None, snapshot
+        if at >= snapshot.end:
+            return snapshot, None
+        ds = data_start(snapshot)
+        k = max(at - ds, 0)
+        names = cls.token_names(snapshot)
+        upper = {n: own(snapshot.arrays[n][..., :k, :]) for n in names} if k else {}
+        lower = {n: own(snapshot.arrays[n][..., k:, :]) for n in names}
+        upper.update(cls.cursors_at(snapshot, at))
+        lower.update({n: snapshot.arrays[n] for n in cls.cursor_names if n in snapshot.arrays})
+        us, ls = dict(snapshot.scalars), dict(snapshot.scalars)
+        if cls.trims_front:
+            us["data_start"] = ds if k else at
+            ls["data_start"] = max(at, ds)
+        return (
+            Snapshot(cls.kind, snapshot.start, at, False, upper, us),
+            Snapshot(cls.kind, at, snapshot.end, False, lower, ls),
+        )
+
+    @classmethod
+    def validate_snapshot(cls, snapshot: Snapshot) -> None:
+        if snapshot.whole or snapshot.children:
+            raise SnapshotFormatError(f"a {cls.kind!r} snapshot is a plain range snapshot")
+        if not 0 <= snapshot.start <= snapshot.end:
+            raise SnapshotRangeError(f"bad span [{snapshot.start}, {snapshot.end})")
+        names = cls.token_names(snapshot)
+        ds = data_start(snapshot)
+        if not snapshot.start <= ds <= snapshot.end:
+            raise SnapshotRangeError(f"data_start {ds} outside [{snapshot.start}, {snapshot.end})")
+        if not names:
+            if snapshot.end > ds:
+                raise SnapshotFormatError(
+                    f"a {cls.kind!r} snapshot over [{ds}, {snapshot.end}) holds no arrays"
+                )
+            return
+        if sorted(names) != sorted(cls.expected_names):
+            raise SnapshotFormatError(
+                f"a {cls.kind!r} snapshot holds {sorted(names)}, expected {sorted(cls.expected_names)}"
+            )
+        ref = snapshot.arrays[names[0]]
+        for n in names:
+            a = snapshot.arrays[n]
+            if a.ndim != 4:
+                raise CacheShapeError(f"{n!r} has rank {a.ndim}, expected 4 [B, H, L, D]")
+            if a.shape[:2] != ref.shape[:2]:
+                raise CacheShapeError(
+                    f"{n!r} has batch and heads {tuple(a.shape[:2])}, {names[0]!r} has {tuple(ref.shape[:2])}"
+                )
+            if a.shape[AXIS] != snapshot.end - ds:
+                raise CacheShapeError(
+                    f"{n!r} holds {a.shape[AXIS]} positions, the span needs {snapshot.end - ds}"
+                )
+        cls.validate_extra(snapshot)
+
+    @classmethod
+    def validate_extra(cls, snapshot: Snapshot) -> None:
+        """Kind-specific checks on a snapshot whose token arrays are well formed."""
