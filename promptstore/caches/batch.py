@@ -14,7 +14,7 @@ from mlx_lm.models import cache as mlx_cache
 from ..errors import CacheError, CacheShapeError, SnapshotFormatError, SnapshotRangeError
 from .base import as_position
 from .range import RangeKind
-from .rotating import check_window, window_room
+from .rotating import check_live, check_window, window_room
 from .snapshot import Snapshot, own
 from .whole import WholeStateKind, _window_length
 
@@ -118,6 +118,7 @@ class BatchRotatingKVCache(WholeStateKind, mlx_cache.BatchRotatingKVCache):
         return target == snapshot.end or (unwrapped and 0 <= target <= snapshot.end)
 
     def plan_whole(self, snapshot: Snapshot, target: int):
+        check_live(self.keys, snapshot)
         back = snapshot.end - target
         plan = {
             "offset": own(snapshot.arrays["offset"] - back),

@@ -44,6 +44,11 @@ class KVCache(RangeKind, mlx_cache.KVCache):
 
         return BatchKVCache.merge(caches)
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        from .registry import adopt
+
+        return adopt(super().to_quantized(group_size=group_size, bits=bits))
+
 
 class QuantizedKVCache(RangeKind, mlx_cache.QuantizedKVCache):
     """mlx-lm's quantized KV cache: (packed, scales, biases) per keys and values."""

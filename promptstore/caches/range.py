@@ -119,6 +119,7 @@ class RangeKind(SnapshotProtocol):
             return None  # the chain builds on positions this cache lacks
         if target <= start:
             return self.plan_rewind(target)
+        self._check_against_live(chain)
         lo = self.install_from(target)
         pieces = self._gather(chain, lo, target)
         if pieces is None:
@@ -164,6 +165,19 @@ class RangeKind(SnapshotProtocol):
         for n, t in template.items():
             pieces[n].append(mx.zeros((*t.shape[:2], room, t.shape[3]), dtype=t.dtype))
         return pieces
+
+    def _check_against_live(self, chain: list[Snapshot]) -> None:
+        """A snapshot for another layer shape than the live buffers is refused
+        even when it would replace them all."""
+        live = self.live_buffers()
+        if live is None:
+            return
+        pieces = {n: [b] for n, b in live.items()}
+        for s in chain:
+            for n in self.token_names(s):
+                if n in pieces:
+                    pieces[n].append(s.arrays[n])
+        self._check_compatible(pieces)
 
     def _check_compatible(self, pieces: dict[str, list]) -> None:
         for n, parts in pieces.items():

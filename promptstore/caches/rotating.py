@@ -44,6 +44,19 @@ def check_window(snapshot: Snapshot, max_size) -> None:
         )
 
 
+def check_live(live_keys, snapshot: Snapshot) -> None:
+    """Refuse a window of another batch, head count, head dim or dtype."""
+    keys = snapshot.arrays.get("keys")
+    if live_keys is None or keys is None:
+        return
+    a, b = live_keys, keys
+    if a.dtype != b.dtype or a.shape[:2] != b.shape[:2] or a.shape[3] != b.shape[3]:
+        raise CacheShapeError(
+            f"a window of shape {tuple(b.shape)} {b.dtype} does not fit a cache of "
+            f"{tuple(a.shape)} {a.dtype}"
+        )
+
+
 class RotatingKVCache(WholeStateKind, mlx_cache.RotatingKVCache):
     """mlx-lm's sliding-window cache (with `keep` sink tokens)."""
 
@@ -84,6 +97,7 @@ class RotatingKVCache(WholeStateKind, mlx_cache.RotatingKVCache):
         )
 
     def plan_whole(self, snapshot: Snapshot, target: int):
+        check_live(self.keys, snapshot)
         if target == 0 or not snapshot.arrays:
             return {"keys": None, "values": None, "offset": 0, "_idx": 0}
         planned = {}

@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random-weight mlx-lm models and generation helpers."""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import pytest
+
+from promptstore import caches as C
+from promptstore.testing import models
+
+
+@functools.lru_cache(maxsize=None)
+def _model(family: str, variant: str = ""):
+    overrides = VARIANTS[variant]
+    return models.tiny_model(family, **overrides)
+
+
+# Quantization groups are at least 32 wide, so quantized KV needs head dim 32.
+VARIANTS = {"": {}, "hd32": {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}}
+
+
+@pytest.fixture
+def model_of():
+    """model_of(family, variant="") -> a cached tiny random-weight model."""
+    return _model
+
+
+def prompt_tokens(n: int, seed: int = 1, vocab: int = 256) -> mx.array:
+    return mx.random.randint(0, vocab, (n,), key=mx.random.key(seed))
+
+
+def forward(model, cache, tokens: mx.array) -> mx.array:
+    """Last-position logits after running `tokens` through the model."""
+    logits = model(tokens[None], cache=cache)[:, -1, :]
+    mx.eval(logits)
+    return logits
+
+
+def greedy(model, cache, logits: mx.array, n: int) -> list[int]:
+    """n greedy tokens continuing from `logits`."""
+    out = []
+    for _ in range(n):
+        token = logits.argmax(axis=-1)
+        out.append(token.item())
+        logits = forward(model, cache, token)
+    return out
+
+
+def fresh_cache(model, kv_bits=None):
+    return C.make_prompt_cache(model, kv_bits=kv_bits, kv_group_size=32 if kv_bits else 64)
