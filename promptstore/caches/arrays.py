@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from ..errors import CacheShapeError, SnapshotFormatError, SnapshotRangeError

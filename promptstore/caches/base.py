@@ -10,7 +10,6 @@ from __future__ import annotations
 import operator
 from typing import Any, ClassVar, Optional, Sequence, Union
 
-import mlx.core as mx
 
 from ..errors import SnapshotKindError, SnapshotRangeError
 from .snapshot import Snapshot

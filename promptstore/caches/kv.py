@@ -6,7 +6,7 @@ mlx-lm's prompt-cache files treat it as their own) plus range snapshots.
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache

@@ -10,7 +10,7 @@ from mlx_lm.models import cache as mlx_cache
 from promptstore import caches as C
 from promptstore.testing import models
 
-from ..conftest import forward, fresh_cache, greedy, prompt_tokens
+from ..conftest import forward, fresh_cache, prompt_tokens
 
 N, K = 70, 41
 
@@ -25,7 +25,8 @@ def restored(model, tokens, target):
 
 
 def stream(model, prompt, cache, n=24):
-    return [int(t) for t, _ in zip(generate_step(prompt, model, prompt_cache=cache, max_tokens=n), range(n)) for t in [t[0]]]
+    steps = generate_step(prompt, model, prompt_cache=cache, max_tokens=n)
+    return [int(token) for token, _ in steps]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next", "llama4", "falcon_h1"])
