@@ -40,6 +40,29 @@ class UnsupportedCacheError(CacheError):
     """A cache object promptstore does not know how to adopt or snapshot."""
 
 
+# --- tiers ------------------------------------------------------------------
+
+
+class TierError(PromptStoreError):
+    """A snapshot tier could not store or serve a node."""
+
+
+class ColdFileError(TierError):
+    """A cold snapshot file that cannot be served: missing, corrupt, or another node's.
+
+    reason: a short tag for reports ("missing", "header", "checksum", "identity", ...).
+    """
+
+    def __init__(self, message: str, reason: str = "corrupt", path: str | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.path = path
+
+
+class DiskWriteError(TierError):
+    """A cold file could not be written (disk full, read-only filesystem, ...)."""
+
+
 # --- index ------------------------------------------------------------------
 
 

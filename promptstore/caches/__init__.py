@@ -13,6 +13,7 @@ from .mlx_lm_files import load_mlx_lm_prompt_cache, save_mlx_lm_prompt_cache
 from .prompt import (
     adopt_prompt_cache,
     make_prompt_cache,
+    merge_prompt_chain,
     merge_prompt_snapshots,
     prompt_layout,
     prompt_position,
@@ -44,7 +45,7 @@ __all__ = [
     "FORMAT_VERSION", "KINDS", "KVCache", "QuantizedKVCache", "RotatingKVCache", "Snapshot",
     "SnapshotProtocol", "Speculation", "adopt", "adopt_prompt_cache", "arrays_equal",
     "begin_speculation", "from_flat", "kind_class", "load_mlx_lm_prompt_cache",
-    "make_prompt_cache", "merge_prompt_snapshots", "merge_snapshots", "prompt_layout",
+    "make_prompt_cache", "merge_prompt_chain", "merge_prompt_snapshots", "merge_snapshots", "prompt_layout",
     "prompt_position", "prompt_reachable", "restore_prompt_cache", "save_mlx_lm_prompt_cache",
     "snapshot_prompt_cache", "split_prompt_snapshots", "split_snapshot", "to_flat",
 ]

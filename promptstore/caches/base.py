@@ -80,6 +80,15 @@ class SnapshotProtocol:
         raise NotImplementedError
 
     @classmethod
+    def merge_chain(cls, chain: Sequence[Snapshot]) -> Snapshot:
+        """Consecutive snapshots -> one, as repeated merges would give."""
+        chain = as_chain(chain, cls.kind)
+        merged = chain[0]
+        for s in chain[1:]:
+            merged = cls.merge_snapshots(merged, s)
+        return merged
+
+    @classmethod
     def validate_snapshot(cls, snapshot: Snapshot) -> None:
         """Raise a typed error if the snapshot's arrays or scalars are malformed."""
         raise NotImplementedError

@@ -99,6 +99,24 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
         return Snapshot(cls.kind, parent.start, child.end, child.whole, {}, dict(child.scalars), children)
 
     @classmethod
+    def merge_chain(cls, chain) -> Snapshot:
+        from .registry import kind_class
+
+        chain = as_chain(chain, cls.kind)
+        for a, b in zip(chain, chain[1:]):
+            check_consecutive(a, b)
+            if a.scalars != b.scalars:
+                raise SnapshotKindError(f"cannot merge cache lists {a.scalars} and {b.scalars}")
+        for s in chain:
+            cls.validate_snapshot(s)
+        children = tuple(
+            kind_class(kind).merge_chain([s.children[i] for s in chain])
+            for i, kind in enumerate(chain[0].scalars["kinds"])
+        )
+        last = chain[-1]
+        return Snapshot(cls.kind, chain[0].start, last.end, last.whole, {}, dict(last.scalars), children)
+
+    @classmethod
     def split_snapshot(cls, snapshot: Snapshot, at: int):
         from .registry import kind_class
 

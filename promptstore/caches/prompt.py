@@ -121,6 +121,15 @@ def merge_prompt_snapshots(parents: Sequence[Snapshot], children: Sequence[Snaps
     return [kind_class(p.kind).merge_snapshots(p, c) for p, c in zip(parents, children)]
 
 
+def merge_prompt_chain(chain: Sequence[Sequence[Snapshot]]) -> list:
+    """Per-layer snapshots of consecutive spans -> one per layer, one copy each."""
+    if not chain:
+        raise CacheShapeError("an empty chain merges nothing")
+    for layers in chain[1:]:
+        _check_layers(chain[0], layers)
+    return [kind_class(layer[0].kind).merge_chain(list(layer)) for layer in zip(*chain)]
+
+
 def split_prompt_snapshots(snapshots: Sequence[Snapshot], at: int):
     """Per layer split at `at`: (uppers, lowers). A layer that cannot split
     there gives (None, its snapshot)."""

@@ -213,6 +213,30 @@ class RangeKind(SnapshotProtocol):
         return Snapshot(cls.kind, parent.start, child.end, False, arrays, scalars)
 
     @classmethod
+    def merge_chain(cls, chain) -> Snapshot:
+        """One concatenation for the whole chain (a fold would copy O(n^2) bytes)."""
+        chain = as_chain(chain, cls.kind)
+        for s in chain:
+            cls.validate_snapshot(s)
+        for a, b in zip(chain, chain[1:]):
+            check_consecutive(a, b)
+        # Data is continuous from the last snapshot that starts without its front.
+        first = max((i for i, s in enumerate(chain) if data_start(s) > s.start), default=0)
+        parts = [s for s in chain[first:] if s.length and cls.token_names(s)]
+        last = chain[-1]
+        if not parts:
+            return Snapshot(cls.kind, chain[0].start, last.end, False, dict(last.arrays), dict(last.scalars))
+        arrays = {
+            n: mx.concatenate([s.arrays[n] for s in parts], axis=AXIS) if len(parts) > 1 else parts[0].arrays[n]
+            for n in cls.token_names(parts[0])
+        }
+        arrays.update({n: last.arrays[n] for n in cls.cursor_names if n in last.arrays})
+        scalars = dict(last.scalars)
+        if cls.trims_front:
+            scalars["data_start"] = data_start(chain[first])
+        return Snapshot(cls.kind, chain[0].start, last.end, False, arrays, scalars)
+
+    @classmethod
     def split_snapshot(cls, snapshot: Snapshot, at: int):
         at = as_position(at, "split position")
         cls.validate_snapshot(snapshot)

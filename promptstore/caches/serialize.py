@@ -58,7 +58,7 @@ class SnapshotsRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     format_version: int
-    layers: list[SnapshotMeta]
+    layers: list[Optional[SnapshotMeta]]  # None: the node holds nothing for that layer
 
 
 def _flatten(snap: Snapshot, prefix: str, out: dict) -> SnapshotMeta:
@@ -75,10 +75,11 @@ def _flatten(snap: Snapshot, prefix: str, out: dict) -> SnapshotMeta:
     )
 
 
-def to_flat(snapshots: Sequence[Snapshot]) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """Per-layer snapshots -> (arrays by flat name, string metadata)."""
+def to_flat(snapshots: Sequence[Optional[Snapshot]]) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Per-layer snapshots (None for a layer without one) -> (arrays by flat
+    name, string metadata)."""
     arrays: dict[str, mx.array] = {}
-    metas = [_flatten(s, f"L{i}", arrays) for i, s in enumerate(snapshots)]
+    metas = [None if s is None else _flatten(s, f"L{i}", arrays) for i, s in enumerate(snapshots)]
     record = SnapshotsRecord(format_version=FORMAT_VERSION, layers=metas)
     return arrays, {METADATA_KEY: record.model_dump_json()}
 
@@ -126,11 +127,11 @@ def _unflatten(meta: SnapshotMeta, prefix: str, arrays: dict, used: set) -> Snap
     return snap
 
 
-def from_flat(arrays: dict[str, mx.array], metadata: Optional[dict]) -> list[Snapshot]:
+def from_flat(arrays: dict[str, mx.array], metadata: Optional[dict]) -> list[Optional[Snapshot]]:
     """(arrays, metadata) written by `to_flat` -> per-layer snapshots, validated."""
     record = _parse(metadata)
     used: set = set()
-    snaps = [_unflatten(m, f"L{i}", arrays, used) for i, m in enumerate(record.layers)]
+    snaps = [None if m is None else _unflatten(m, f"L{i}", arrays, used) for i, m in enumerate(record.layers)]
     extra = set(arrays) - used
     if extra:
         raise SnapshotFormatError(f"arrays not named by the metadata: {sorted(extra)[:5]}")

@@ -57,6 +57,17 @@ class WholeStateKind(SnapshotProtocol):
         return Snapshot(cls.kind, parent.start, child.end, True, child.arrays, child.scalars, child.children)
 
     @classmethod
+    def merge_chain(cls, chain) -> Snapshot:
+        chain = as_chain(chain, cls.kind)
+        for a, b in zip(chain, chain[1:]):
+            check_consecutive(a, b)
+        last = chain[-1]
+        cls.validate_snapshot(last)
+        if len(chain) == 1:
+            return last
+        return Snapshot(cls.kind, chain[0].start, last.end, True, last.arrays, last.scalars, last.children)
+
+    @classmethod
     def split_snapshot(cls, snapshot: Snapshot, at: int):
         at = as_position(at, "split position")
         cls.validate_snapshot(snapshot)

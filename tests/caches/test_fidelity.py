@@ -76,6 +76,7 @@ def test_restore_through_merge_and_split(model_of, family, kv_bits):
     ref = reference(model, tokens, kv_bits)
     chain = snapshots_at(model, tokens, kv_bits, [0, 11, 23, 40, K])
     merged = reduce(C.merge_prompt_snapshots, chain)
+    assert all(C.arrays_equal(a, b) for a, b in zip(C.merge_prompt_chain(chain), merged))
     uppers, lowers = C.split_prompt_snapshots(merged, 31)
     layers = [[u, l] if u is not None else [l] for u, l in zip(uppers, lowers)]
     assert_same(ref, continue_from(model, layers, tokens, kv_bits, K))

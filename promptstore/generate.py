@@ -1,0 +1,79 @@
+"""generate / stream_generate: mlx-lm's generation with a store underneath.
+
+Fetch the longest stored prefix, prefill the rest in steps while inserting
+the checkpoints the hit asked for, generate with mlx-lm, then insert the
+whole conversation (prompt and reply) so the next turn hits all of it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Generator, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import stream_generate as mlx_stream_generate
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .caches import prompt_position
+from .store import Space
+
+Prompt = Union[str, Sequence[int], mx.array]
+
+
+def encode(tokenizer, prompt: Prompt) -> list[int]:
+    """Tokens of `prompt` exactly as mlx-lm's stream_generate would make them."""
+    if isinstance(prompt, str):
+        wrapper = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+        special = wrapper.bos_token is None or not prompt.startswith(wrapper.bos_token)
+        return list(wrapper.encode(prompt, add_special_tokens=special))
+    return [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+
+
+def prefill(model: nn.Module, cache: list, tokens: list[int], start: int, end: int, step: int) -> None:
+    """Run tokens[start:end] through the model in steps of `step`."""
+    for lo in range(start, end, step):
+        model(mx.array(tokens[lo : min(lo + step, end)])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def stream_generate(model: nn.Module, tokenizer, prompt: Prompt, *, store: Space, **kwargs: Any) -> Generator:
+    """mlx_lm.stream_generate with a prompt-cache store: same arguments and
+    responses (prompt_tokens counts the whole prompt), plus `store`."""
+    if "prompt_cache" in kwargs:
+        raise TypeError("pass store=, not prompt_cache=: the store provides the cache")
+    tokens = encode(tokenizer, prompt)
+    hit = store.fetch(tokens)
+    cache, position = hit.cache, hit.length
+    step = store.store.settings.prefill_step
+    # Checkpoints, then the whole prompt but its last token: stored before
+    # generation, while every layer still holds it (a chunked layer drops old
+    # positions as it decodes).
+    for point in [p for p in hit.checkpoints if p < len(tokens) - 1] + [len(tokens) - 1]:
+        if point <= position:
+            continue
+        started = time.perf_counter()
+        prefill(model, cache, tokens, position, point, step)
+        store.insert(tokens[:point], cache, prefill_seconds=time.perf_counter() - started)
+        position = point
+    produced: list[int] = []
+    for response in mlx_stream_generate(model, tokenizer, mx.array(tokens[position:]), prompt_cache=cache, **kwargs):
+        produced.append(response.token)
+        yield replace(response, prompt_tokens=len(tokens))
+    seen = tokens + produced
+    held = prompt_position(cache)
+    if 0 < held <= len(seen):
+        store.insert(seen[:held], cache)
+
+
+def generate(model: nn.Module, tokenizer, prompt: Prompt, *, store: Space, verbose: bool = False, **kwargs: Any) -> str:
+    """mlx_lm.generate with a prompt-cache store: the reply's text."""
+    text = ""
+    for response in stream_generate(model, tokenizer, prompt, store=store, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose:
+        print()
+    return text

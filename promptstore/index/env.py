@@ -1,0 +1,304 @@
+"""The LMDB environment of one store: named databases, schema version and map growth.
+
+LMDB must not open the same file twice in one process, so environments live in a
+per-process registry and are shared, refcounted, by every Index on that path.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+import lmdb
+
+from promptstore.errors import IndexStoreError, ReadOnlyIndexError, SchemaVersionError
+
+SCHEMA_VERSION = 1
+DEFAULT_MAP_SIZE = 64 << 20
+DB_NAMES = ("namespaces", "nodes", "edges", "children", "access", "counters", "meta")
+SCHEMA_KEY = b"schema_version"
+MAX_READERS = 512  # one slot per concurrently open read txn, across all processes
+_MAX_GROWTHS = 48  # doublings; far past any disk
+_RESIZE_WAIT_S = 60.0
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Dbs:
+    """Handles of the named databases."""
+
+    namespaces: object
+    nodes: object
+    edges: object
+    children: object
+    access: object
+    counters: object
+    meta: object
+
+
+class _Gate:
+    """Lets transactions run, or one map resize (which invalidates every open one).
+
+    Transactions take no lock, so a stream of readers can never starve a resize:
+    each thread counts its own open transactions, and a resize closes the gate and
+    waits for every count to drop to zero. The GIL makes these plain reads and
+    writes of Python attributes sequentially consistent.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._counts: weakref.WeakSet[_Count] = weakref.WeakSet()
+        self._counts_lock = threading.Lock()
+        self._open = threading.Event()
+        self._open.set()
+        self._resize_lock = threading.Lock()
+
+    def enter(self) -> None:
+        count = self._count()
+        while True:
+            count.open += 1
+            if self._open.is_set():
+                return
+            count.open -= 1
+            self._open.wait()
+
+    def leave(self) -> None:
+        self._count().open -= 1
+
+    def exclusive(self, fn: Callable[[], None]) -> None:
+        with self._resize_lock:
+            self._open.clear()
+            try:
+                self._drain()
+                fn()
+            finally:
+                self._open.set()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + _RESIZE_WAIT_S
+        while True:
+            with self._counts_lock:
+                busy = any(count.open for count in self._counts)
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                raise IndexStoreError(
+                    "cannot resize the LMDB map: transactions stay open"
+                )
+            time.sleep(0.0002)
+
+    def _count(self) -> _Count:
+        count = getattr(self._local, "count", None)
+        if count is None:
+            count = self._local.count = _Count()
+            with self._counts_lock:
+                self._counts.add(count)
+        return count
+
+
+class _Count:
+    """Open transactions of one thread."""
+
+    __slots__ = ("__weakref__", "open")
+
+    def __init__(self) -> None:
+        self.open = 0
+
+
+class Environment:
+    """One open LMDB environment and its databases."""
+
+    def __init__(
+        self, path: str, env: lmdb.Environment, dbs: Dbs, readonly: bool
+    ) -> None:
+        self.path = path
+        self.env = env
+        self.dbs = dbs
+        self.readonly = readonly
+        self.refs = 0
+        self.pid = os.getpid()
+        self._gate = _Gate()
+
+    @contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        """A read transaction whose values are buffers, valid only inside the block."""
+        txn = self._begin(write=False)
+        try:
+            yield txn
+        finally:
+            txn.abort()
+            self._gate.leave()
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run `fn` in one write transaction, growing the map and retrying when it is full."""
+        if self.readonly:
+            raise ReadOnlyIndexError(f"index at {self.path} was opened read-only")
+        for _ in range(_MAX_GROWTHS):
+            txn = self._begin(write=True)
+            try:
+                result = fn(txn)
+                txn.commit()
+                return result
+            except lmdb.MapFullError:
+                pass
+            except lmdb.Error as e:
+                raise IndexStoreError(f"LMDB write failed at {self.path}: {e}") from e
+            finally:
+                txn.abort()  # no-op after commit
+                self._gate.leave()
+            self._resize(self.map_size * 2)
+        raise IndexStoreError(
+            f"LMDB map at {self.path} cannot grow enough for one transaction"
+        )
+
+    @property
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]
+
+    def _begin(self, write: bool) -> lmdb.Transaction:
+        # Another process may have grown the map past ours: adopt its size and retry.
+        for _ in range(8):
+            self._gate.enter()
+            try:
+                return self.env.begin(write=write, buffers=True)
+            except lmdb.MapResizedError:
+                self._gate.leave()
+                self._resize(0)
+            except lmdb.Error as e:
+                self._gate.leave()
+                raise IndexStoreError(
+                    f"cannot begin a transaction at {self.path}: {e}"
+                ) from e
+            except BaseException:
+                self._gate.leave()
+                raise
+        raise IndexStoreError(f"LMDB map at {self.path} keeps being resized")
+
+    def _resize(self, size: int) -> None:
+        try:
+            self._gate.exclusive(lambda: self.env.set_mapsize(size))
+        except lmdb.Error as e:
+            raise IndexStoreError(
+                f"cannot resize the LMDB map at {self.path}: {e}"
+            ) from e
+
+
+_registry: dict[str, Environment] = {}
+_registry_lock = threading.Lock()
+
+
+def acquire(
+    path: str | os.PathLike, map_size: int, readonly: bool, sync: bool
+) -> Environment:
+    """The process's Environment for `path`, opened on first use; release() when done."""
+    real = os.path.realpath(os.fspath(path))
+    with _registry_lock:
+        environment = _registry.get(real)
+        if environment is not None and environment.pid != os.getpid():
+            environment = None  # inherited through fork: LMDB handles must not cross it
+        if environment is None:
+            environment = _open(real, map_size, readonly, sync)
+            _registry[real] = environment
+        elif environment.readonly and not readonly:
+            raise IndexStoreError(
+                f"index at {real} is already open read-only in this process"
+            )
+        environment.refs += 1
+        return environment
+
+
+def release(environment: Environment) -> None:
+    with _registry_lock:
+        environment.refs -= 1
+        if environment.refs > 0:
+            return
+        if _registry.get(environment.path) is environment:
+            del _registry[environment.path]
+        environment.env.close()
+
+
+def _open(path: str, map_size: int, readonly: bool, sync: bool) -> Environment:
+    if readonly and not os.path.isdir(path):
+        raise IndexStoreError(f"no index at {path}")
+    if not readonly:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        env = lmdb.open(
+            path,
+            map_size=map_size,
+            subdir=True,
+            readonly=readonly,
+            lock=True,
+            sync=sync,
+            metasync=sync,
+            readahead=False,
+            meminit=False,
+            mode=0o600,
+            max_dbs=len(DB_NAMES) + 1,
+            max_readers=MAX_READERS,
+            max_spare_txns=4,
+        )
+    except lmdb.Error as e:
+        raise IndexStoreError(f"cannot open LMDB index at {path}: {e}") from e
+    try:
+        env.reader_check()  # free reader slots left by crashed processes
+        dbs = _open_readonly_dbs(env, path) if readonly else _open_writable_dbs(env)
+    except BaseException:
+        env.close()
+        raise
+    return Environment(path, env, dbs, readonly)
+
+
+def _open_writable_dbs(env: lmdb.Environment) -> Dbs:
+    # One write txn: the schema is checked before anything is created, and a new
+    # store gets its databases and schema version atomically.
+    with env.begin(write=True) as txn:
+        meta = env.open_db(b"meta", txn=txn, create=True)
+        found = txn.get(SCHEMA_KEY, db=meta)
+        if found is None:
+            _refuse_foreign(txn)
+            txn.put(SCHEMA_KEY, str(SCHEMA_VERSION).encode(), db=meta)
+        else:
+            _check_schema(found)
+        handles = {
+            name: env.open_db(name.encode(), txn=txn, create=True) for name in DB_NAMES
+        }
+    return Dbs(**handles)
+
+
+def _open_readonly_dbs(env: lmdb.Environment, path: str) -> Dbs:
+    # Without a txn argument py-lmdb commits the txn that opens each handle, which a
+    # read-only handle needs to outlive it.
+    try:
+        meta = env.open_db(b"meta", create=False)
+        with env.begin() as txn:
+            _check_schema(txn.get(SCHEMA_KEY, db=meta))
+        handles = {name: env.open_db(name.encode(), create=False) for name in DB_NAMES}
+    except lmdb.NotFoundError as e:
+        raise IndexStoreError(f"{path} is not a promptstore index: {e}") from e
+    return Dbs(**handles)
+
+
+def _refuse_foreign(txn: lmdb.Transaction) -> None:
+    # Only our named databases may live in the main db; anything else is another program's.
+    known = {name.encode() for name in DB_NAMES}
+    for key in txn.cursor().iternext(values=False):
+        if bytes(key) not in known:
+            raise IndexStoreError(f"not a promptstore index: it holds {bytes(key)!r}")
+
+
+def _check_schema(found: bytes | None) -> None:
+    text = None if found is None else bytes(found).decode("ascii", "replace")
+    if text != str(SCHEMA_VERSION):
+        error = SchemaVersionError(
+            f"index schema version {text!r}, this code reads version {SCHEMA_VERSION} only"
+        )
+        error.found, error.expected = text, SCHEMA_VERSION
+        raise error

@@ -1,0 +1,375 @@
+"""Index: the public face of the LMDB index, one short transaction per call.
+
+It composes the environment, namespaces, the trie operations, access order and
+counters; the logic of each lives in the module named after it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Self
+
+from pydantic import ValidationError
+
+from promptstore.errors import (
+    CorruptRecordError,
+    IndexStoreError,
+    KeyCollisionError,
+    NodeNotFoundError,
+    ReadOnlyIndexError,
+    StaleInsertError,
+    UnknownNamespaceError,
+)
+
+from . import access, counters, env, keys, trie
+from .namespace import Namespace, NamespaceSpec
+from .records import Node, NodeRecord
+from .trie import InsertPlan, InsertResult, Match, SplitRecords
+
+# A pair of records for a split, or a function of the plan that makes them (bulk inserts).
+SplitRecordsArg = SplitRecords | Callable[[InsertPlan], SplitRecords] | None
+
+_BATCH = 256  # nodes read per transaction by the iterators, so none holds a reader long
+
+
+class Index:
+    """The LMDB index of one store. Threads may share it; each call is its own transaction."""
+
+    def __init__(self, environment: env.Environment, readonly: bool) -> None:
+        self._env = environment
+        self.readonly = readonly
+        self._namespaces: dict[bytes, Namespace] = {}
+        self._closed = False
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike,
+        map_size: int = env.DEFAULT_MAP_SIZE,
+        readonly: bool = False,
+        sync: bool = True,
+    ) -> Index:
+        """Open (creating it 0700 unless readonly) the index directory `path`.
+
+        map_size: initial LMDB map in bytes; it grows when full.
+        sync: False skips fsync at commit (faster; a system crash may lose the last commits).
+        The first open of a path in a process sets map_size and sync for every later one.
+        """
+        return cls(env.acquire(path, map_size, readonly, sync), readonly)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            env.release(self._env)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def path(self) -> str:
+        return self._env.path
+
+    # --- namespaces -------------------------------------------------------
+
+    def register_namespace(self, spec: NamespaceSpec) -> Namespace:
+        """Store `spec` (idempotent) and return its Namespace."""
+        ns = Namespace.of(spec)
+
+        def put(txn) -> None:
+            stored = txn.get(ns.key, db=self._dbs.namespaces)
+            if stored is not None:
+                return _same_spec(ns, bytes(stored))  # another process got there first
+            if txn.get(ns.key, db=self._dbs.nodes) is not None:
+                raise KeyCollisionError(
+                    f"namespace fingerprint {ns.hex} is a node's key"
+                )
+            txn.put(ns.key, spec.model_dump_json().encode(), db=self._dbs.namespaces)
+
+        stored = self._stored_spec(ns.key)
+        if stored is None:
+            self._write(put)
+        else:
+            _same_spec(ns, stored)
+        self._namespaces[ns.key] = ns
+        return ns
+
+    def namespace(self, key: bytes | str) -> Namespace:
+        """A registered namespace by fingerprint (bytes or hex)."""
+        key = bytes.fromhex(key) if isinstance(key, str) else key
+        if key not in self._namespaces:
+            with self._read() as txn:
+                return self._namespace_in(txn, key)
+        return self._namespaces[key]
+
+    def _namespace_in(self, txn, key: bytes) -> Namespace:
+        ns = self._namespaces.get(key)
+        if ns is None:
+            stored = txn.get(key, db=self._dbs.namespaces)
+            if stored is None:
+                raise UnknownNamespaceError(f"no namespace {key.hex()} in {self.path}")
+            ns = self._namespaces[key] = Namespace(
+                _decode_spec(key, bytes(stored)), key
+            )
+        return ns
+
+    def namespaces(self) -> list[Namespace]:
+        """Every registered namespace; one whose spec is damaged is logged and skipped."""
+        out = []
+        with self._read() as txn:
+            cursor = txn.cursor(db=self._dbs.namespaces)
+            for key in [bytes(k) for k in cursor.iternext(values=False)]:
+                try:
+                    out.append(self._namespace_in(txn, key))
+                except CorruptRecordError as e:
+                    trie.log.warning("skipping namespace: %s", e)
+        return out
+
+    # --- lookup -----------------------------------------------------------
+
+    def lookup(self, ns: Namespace, tokens) -> Match:
+        """The longest stored prefix of `tokens` in `ns` and its restorable position."""
+        tokens = keys.as_tokens(tokens)
+        with self._read() as txn:
+            return trie.walk(txn, self._dbs, ns, tokens)
+
+    def get(self, key: bytes) -> Node | None:
+        """The node at `key`, or None; CorruptRecordError if it does not verify."""
+        with self._read() as txn:
+            return trie.read_node(txn, self._dbs, key)
+
+    def children(self, key: bytes) -> list[Node]:
+        """The children of a node (or of a namespace root, by its fingerprint)."""
+        with self._read() as txn:
+            return self._nodes_at(txn, trie.child_keys(txn, self._dbs, key))
+
+    def is_leaf(self, key: bytes) -> bool:
+        with self._read() as txn:
+            return not trie.has_children(txn, self._dbs, key)
+
+    def iter_nodes(self, ns: Namespace) -> Iterator[Node]:
+        """Every node of `ns`, parents before children (changes made meanwhile may show)."""
+        stack = [ns.key]
+        while stack:
+            with self._read() as txn:
+                batch = self._walk_some(txn, stack)
+            yield from batch
+
+    def _walk_some(self, txn, stack: list[bytes]) -> list[Node]:
+        out: list[Node] = []
+        while stack and len(out) < _BATCH:
+            kids = self._nodes_at(txn, trie.child_keys(txn, self._dbs, stack.pop()))
+            out.extend(kids)
+            stack.extend(node.key for node in reversed(kids))
+        return out
+
+    def _nodes_at(self, txn, node_keys: Iterable[bytes]) -> list[Node]:
+        out = []
+        for key in node_keys:
+            try:
+                node = trie.read_node(txn, self._dbs, key)
+            except IndexStoreError as e:
+                trie.log.warning("skipping node %s: %s", key.hex(), e)
+                continue
+            if node is not None:
+                out.append(node)
+        return out
+
+    # --- insert -----------------------------------------------------------
+
+    def plan_insert(self, ns: Namespace, tokens) -> InsertPlan:
+        """What inserting `tokens` would change (read txn); write snapshots, then commit."""
+        tokens = keys.as_tokens(tokens)
+        with self._read() as txn:
+            return trie.plan(txn, self._dbs, ns, tokens)
+
+    def commit_insert(
+        self,
+        plan: InsertPlan,
+        new_record: NodeRecord | None = None,
+        split_records: SplitRecordsArg = None,
+    ) -> InsertResult:
+        """Apply `plan` in one write txn; StaleInsertError if the trie changed since.
+
+        new_record: the new leaf's record (needed when plan.span is not empty).
+        split_records: (upper, lower) records when plan.split is set.
+        """
+        if plan.collision is not None:
+            raise KeyCollisionError(
+                f"key {plan.collision.hex()} is taken by another prefix; insert refused"
+            )
+        return self._write(
+            lambda txn: self._apply(txn, plan, new_record, split_records)
+        )
+
+    def insert(
+        self,
+        ns: Namespace,
+        tokens,
+        new_record: NodeRecord,
+        split_records: SplitRecordsArg = None,
+    ) -> InsertResult:
+        """plan_insert + commit_insert, re-planning a few times if another writer interleaves."""
+        for _ in range(3):
+            plan = self.plan_insert(ns, tokens)
+            try:
+                return self.commit_insert(plan, new_record, split_records)
+            except StaleInsertError:
+                continue
+        return self.commit_insert(
+            self.plan_insert(ns, tokens), new_record, split_records
+        )
+
+    def insert_many(
+        self,
+        ns: Namespace,
+        items: Iterable[tuple[object, NodeRecord]],
+        split_records: SplitRecordsArg = None,
+    ) -> list[InsertResult]:
+        """Insert (tokens, record) pairs in one write txn: all or none. Keep batches modest."""
+        prepared = [(keys.as_tokens(tokens), record) for tokens, record in items]
+
+        def apply_all(txn) -> list[InsertResult]:
+            plans = []
+            for tokens, record in prepared:
+                plans.append(
+                    self._apply(
+                        txn,
+                        trie.plan(txn, self._dbs, ns, tokens),
+                        record,
+                        split_records,
+                    )
+                )
+            return plans
+
+        return self._write(apply_all)
+
+    def _apply(
+        self, txn, plan: InsertPlan, new_record, split_records: SplitRecordsArg
+    ) -> InsertResult:
+        if txn.get(plan.namespace.key, db=self._dbs.namespaces) is None:
+            raise UnknownNamespaceError(
+                f"namespace {plan.namespace.hex} is not registered"
+            )
+        if callable(split_records):
+            split_records = split_records(plan) if plan.split is not None else None
+        return trie.apply(txn, self._dbs, plan, new_record, split_records)
+
+    # --- changing nodes ---------------------------------------------------
+
+    def update_record(self, key: bytes, record: NodeRecord) -> Node:
+        """Replace a node's record (tier moves, a checkpoint filling a whole-state layer)."""
+
+        def replace(txn) -> Node:
+            node = trie.read_node(txn, self._dbs, key)
+            if node is None:
+                raise NodeNotFoundError(f"no node {key.hex()}")
+            ns = self._namespace_in(txn, node.namespace)
+            return trie.replace_record(txn, self._dbs, ns, node, record)
+
+        return self._write(replace)
+
+    def remove(self, ns: Namespace, key: bytes) -> Node:
+        """Remove a leaf of `ns`; NodeHasChildrenError if it is not one."""
+        return self._write(lambda txn: trie.remove_leaf(txn, self._dbs, ns, key))
+
+    # --- access order and counters ----------------------------------------
+
+    def touch(self, node_keys: Iterable[bytes]) -> int:
+        """Move nodes to the newest end of the access order, in the order given."""
+        node_keys = list(node_keys)
+
+        def stamp_all(txn) -> int:
+            present = [
+                k for k in node_keys if txn.get(k, db=self._dbs.nodes) is not None
+            ]
+            for key in present:
+                access.stamp(txn, self._dbs, key)
+            return len(present)
+
+        return self._write(stamp_all)
+
+    def iter_by_access(self, ns: Namespace | None = None) -> Iterator[Node]:
+        """Nodes, least recently used first; of one namespace or all."""
+        after = None
+        while True:
+            with self._read() as txn:
+                batch = access.oldest(txn, self._dbs, after, _BATCH)
+                nodes = self._nodes_at(txn, [key for _, key in batch])
+            if not batch:
+                return
+            after = batch[-1][0]
+            yield from (
+                node for node in nodes if ns is None or node.namespace == ns.key
+            )
+
+    def bump(self, ns: Namespace, **deltas: int) -> None:
+        """Add to counters of `ns`: hits, misses, tokens_served (and the maintained totals)."""
+        counters.check_names(deltas)
+        self._write(lambda txn: counters.add(txn, self._dbs, ns.key, deltas))
+
+    def counters(self, ns: Namespace) -> dict[str, int]:
+        with self._read() as txn:
+            return counters.read(txn, self._dbs, ns.key)
+
+    def stats(self) -> dict[str, int | str]:
+        """Totals over every namespace, plus the size of the LMDB map and data."""
+        spaces = self.namespaces()
+        totals = dict.fromkeys(counters.NAMES, 0)
+        with self._read() as txn:
+            for ns in spaces:
+                for name, value in counters.read(txn, self._dbs, ns.key).items():
+                    totals[name] += value
+            entries = txn.stat(self._dbs.nodes)["entries"]
+        info, stat = self._env.env.info(), self._env.env.stat()
+        return {
+            "path": self.path,
+            "schema_version": env.SCHEMA_VERSION,
+            "namespaces": len(spaces),
+            "node_entries": entries,
+            **totals,
+            "map_size": info["map_size"],
+            "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
+        }
+
+    # --- plumbing -----------------------------------------------------------
+
+    @property
+    def _dbs(self) -> env.Dbs:
+        return self._env.dbs
+
+    def _read(self):
+        if self._closed:
+            raise IndexStoreError(f"index at {self.path} is closed")
+        return self._env.read()
+
+    def _write(self, fn):
+        if self._closed:
+            raise IndexStoreError(f"index at {self.path} is closed")
+        if self.readonly:
+            raise ReadOnlyIndexError(f"index at {self.path} was opened read-only")
+        return self._env.write(fn)
+
+    def _stored_spec(self, key: bytes) -> bytes | None:
+        with self._read() as txn:
+            stored = txn.get(key, db=self._dbs.namespaces)
+            return None if stored is None else bytes(stored)
+
+
+def _decode_spec(key: bytes, stored: bytes) -> NamespaceSpec:
+    try:
+        return NamespaceSpec.model_validate_json(stored)
+    except ValidationError as e:
+        raise CorruptRecordError(
+            f"namespace {key.hex()}: spec does not validate: {e}"
+        ) from e
+
+
+def _same_spec(ns: Namespace, stored: bytes) -> None:
+    if _decode_spec(ns.key, stored) != ns.spec:
+        raise KeyCollisionError(
+            f"namespace fingerprint {ns.hex} is taken by another spec"
+        )

@@ -1,0 +1,160 @@
+"""Namespaces: everything that makes a cache valid, reduced to a 16-byte fingerprint.
+
+The fingerprint is the root key of a namespace's trie and seeds every node key in
+it, so two namespaces never share a node.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LayerKind = Literal[
+    "kv",
+    "rotating",
+    "quantized",
+    "chunked",
+    "arrays",
+    "cache_list",
+    "batch_kv",
+    "batch_rotating",
+]
+
+# Kinds whose snapshot is the whole state at an offset, so they restore only where one was taken.
+WHOLE_STATE_KINDS = frozenset({"rotating", "arrays", "batch_rotating"})
+
+# Bumped only if the canonical encoding changes; old fingerprints then stop matching.
+_FINGERPRINT_VERSION = 1
+
+
+class LayerSpec(BaseModel):
+    """The cache layout of one model layer (a cache list nests its caches in `children`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: LayerKind
+    window: int | None = Field(default=None, ge=1, description="rotating: max_size")
+    keep: int | None = Field(default=None, ge=0)
+    bits: int | None = Field(default=None, ge=1)
+    group_size: int | None = Field(default=None, ge=1)
+    chunk_size: int | None = Field(default=None, ge=1)
+    dtype: str | None = None
+    children: list[LayerSpec] = Field(default_factory=list)
+    whole_state: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_whole_state(cls, data: Any) -> Any:
+        # whole_state follows from the kind; a caller may state it, but never contradict it.
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "max_size" in data and "window" not in data:
+            data["window"] = data.pop("max_size")
+        derived = _whole_state_of(data.get("kind"), data.get("children") or [])
+        given = data.get("whole_state")
+        if given is not None and given != derived:
+            raise ValueError(
+                f"whole_state={given} contradicts kind {data.get('kind')!r}"
+            )
+        data["whole_state"] = derived
+        return data
+
+    @model_validator(mode="after")
+    def _children_only_for_lists(self) -> LayerSpec:
+        if (self.kind == "cache_list") != bool(self.children):
+            raise ValueError(
+                "children are required for kind 'cache_list' and only there"
+            )
+        return self
+
+
+def _whole_state_of(kind: Any, children: list[Any]) -> bool:
+    if kind != "cache_list":
+        return kind in WHOLE_STATE_KINDS
+    # A cache list restores only where every one of its caches can.
+    return any(
+        c.whole_state
+        if isinstance(c, LayerSpec)
+        else _whole_state_of(c.get("kind"), c.get("children") or [])
+        for c in children
+    )
+
+
+class NamespaceSpec(BaseModel):
+    """Model identity, per-layer cache layout and an optional tenant salt."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_id: str | None = None
+    weights_digest: str | None = None
+    layers: list[LayerSpec] = Field(min_length=1)
+    salt: str | None = None
+
+    @model_validator(mode="after")
+    def _identity_required(self) -> NamespaceSpec:
+        if self.model_id is None and self.weights_digest is None:
+            raise ValueError("a namespace needs a model_id or a weights_digest")
+        return self
+
+    def canonical_json(self) -> bytes:
+        """The encoding the fingerprint hashes: sorted keys, no whitespace."""
+        doc = {"v": _FINGERPRINT_VERSION, "spec": self.model_dump(mode="json")}
+        return json.dumps(
+            doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        ).encode()
+
+    def fingerprint(self) -> bytes:
+        """xxh3-128 of the canonical JSON, 16 bytes."""
+        return xxhash.xxh3_128_digest(self.canonical_json())
+
+    def fingerprint_hex(self) -> str:
+        return self.fingerprint().hex()
+
+
+@dataclass(frozen=True, eq=False)
+class Namespace:
+    """A registered namespace: its spec and its fingerprint (the trie's root key)."""
+
+    spec: NamespaceSpec
+    key: bytes
+
+    @classmethod
+    def of(cls, spec: NamespaceSpec) -> Namespace:
+        return cls(spec=spec, key=spec.fingerprint())
+
+    @property
+    def hex(self) -> str:
+        return self.key.hex()
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.spec.layers)
+
+    @cached_property
+    def whole(self) -> tuple[bool, ...]:
+        """Per layer: True where the layer's snapshots are whole state at an offset."""
+        return tuple(layer.whole_state for layer in self.spec.layers)
+
+    @cached_property
+    def whole_mask(self) -> int:
+        return sum(1 << i for i, w in enumerate(self.whole) if w)
+
+    @cached_property
+    def range_mask(self) -> int:
+        return sum(1 << i for i, w in enumerate(self.whole) if not w)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Namespace) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        name = self.spec.model_id or self.spec.weights_digest
+        return f"Namespace({name!r}, {self.hex[:12]}…, {self.n_layers} layers)"

@@ -1,0 +1,470 @@
+"""The radix trie of a namespace, as operations on one LMDB transaction.
+
+Lookup walks children entries from the namespace root and compares edge tokens,
+so a key can only ever cost a miss. Insert is planned in a read transaction and
+applied in a write transaction that first re-walks to prove the plan is current.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import lmdb
+import numpy as np
+
+from promptstore.errors import (
+    CorruptRecordError,
+    KeyCollisionError,
+    NodeHasChildrenError,
+    NodeNotFoundError,
+    RecordLayoutError,
+    StaleInsertError,
+)
+
+from . import access, counters, keys
+from .env import Dbs
+from .namespace import Namespace
+from .records import Node, NodeRecord, check_layout, decode_node, encode_node
+
+log = logging.getLogger("promptstore.index")
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest stored prefix of a token sequence, and how much of it can be restored.
+
+    path: nodes from the root down; the last may be matched only partly.
+    matched: leading tokens found in the trie.
+    restorable: deepest position <= matched that every layer can restore to.
+    restorable_depth: index in path of the node with start < restorable <= end (-1 at 0).
+    checkpoints: positions in (restorable, matched] where a whole-state snapshot taken
+        while prefilling would make later requests that diverge there restorable.
+    corrupt: keys of nodes that failed to decode or verify (the walk stopped there).
+    """
+
+    namespace: Namespace
+    path: list[Node]
+    matched: int
+    restorable: int
+    restorable_depth: int
+    checkpoints: tuple[int, ...] = ()
+    corrupt: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Node `key` covering [start, end) is cut at `at`: a new node `upper_key` takes
+    [start, at) and `key` keeps [at, end) (its key is that of its prefix, unchanged)."""
+
+    key: bytes
+    upper_key: bytes
+    start: int
+    at: int
+    end: int
+
+
+@dataclass(frozen=True)
+class InsertPlan:
+    """What inserting `tokens` needs: an optional split, then a leaf for [matched, len)."""
+
+    namespace: Namespace
+    tokens: np.ndarray
+    match: Match
+    split: SplitPlan | None
+    parent: bytes
+    leaf_key: bytes | None
+    collision: bytes | None = None
+
+    @property
+    def matched(self) -> int:
+        return self.match.matched
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The new tokens to store, [matched, len(tokens)); empty if all are stored."""
+        return self.match.matched, len(self.tokens)
+
+    @property
+    def path_keys(self) -> tuple[bytes, ...]:
+        return tuple(node.key for node in self.match.path)
+
+    @property
+    def changes_nothing(self) -> bool:
+        return self.split is None and self.leaf_key is None
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """key: the node that ends at len(tokens); created: new node keys; stored: new tokens."""
+
+    key: bytes
+    created: tuple[bytes, ...]
+    split: bytes | None
+    stored: int
+
+
+SplitRecords = tuple[NodeRecord, NodeRecord]
+
+
+# --- reading ----------------------------------------------------------------
+
+
+def read_node(txn: lmdb.Transaction, dbs: Dbs, key: bytes) -> Node | None:
+    """The node at `key`, None if absent; CorruptRecordError if it does not verify."""
+    value = txn.get(key, db=dbs.nodes)
+    if value is None:
+        return None
+    return decode_node(key, value, txn.get(key, db=dbs.edges))
+
+
+def child_keys(txn: lmdb.Transaction, dbs: Dbs, parent: bytes) -> list[bytes]:
+    cursor = txn.cursor(db=dbs.children)
+    if not cursor.set_range(parent):
+        return []
+    out = []
+    for k, v in cursor:
+        if bytes(k[: keys.KEY_SIZE]) != parent:
+            break
+        out.append(bytes(v))
+    return out
+
+
+def has_children(txn: lmdb.Transaction, dbs: Dbs, parent: bytes) -> bool:
+    cursor = txn.cursor(db=dbs.children)
+    return cursor.set_range(parent) and bytes(cursor.key()[: keys.KEY_SIZE]) == parent
+
+
+# --- lookup -----------------------------------------------------------------
+
+
+def walk(txn: lmdb.Transaction, dbs: Dbs, ns: Namespace, tokens: np.ndarray) -> Match:
+    """Follow `tokens` from the root of `ns` as far as stored edges agree."""
+    query = tokens.tobytes()
+    n = len(tokens)
+    path: list[Node] = []
+    corrupt: list[bytes] = []
+    parent, depth, matched = ns.key, 0, 0
+    while depth < n:
+        node = _child(txn, dbs, ns, parent, int(tokens[depth]), depth, corrupt)
+        if node is None:
+            break
+        agree = _agreeing(node, query, tokens, depth)
+        if agree == 0:
+            _report(corrupt, node.key, "edge does not start with its child token")
+            break
+        path.append(node)
+        matched = depth + agree
+        if matched < node.end:
+            break
+        parent, depth = node.key, node.end
+    return _match(ns, path, matched, corrupt)
+
+
+def _child(
+    txn, dbs, ns, parent: bytes, token: int, depth: int, corrupt: list[bytes]
+) -> Node | None:
+    key = txn.get(keys.child_key(parent, token), db=dbs.children)
+    if key is None:
+        return None
+    key = bytes(key)
+    try:
+        node = read_node(txn, dbs, key)
+    except CorruptRecordError as e:
+        _report(corrupt, key, str(e))
+        return None
+    if node is None:
+        _report(corrupt, key, "children entry points at a missing node")
+    elif (node.namespace, node.parent, node.start, node.n_layers) != (
+        ns.key,
+        parent,
+        depth,
+        ns.n_layers,
+    ):
+        _report(corrupt, key, "node header disagrees with its place in the trie")
+        return None
+    return node
+
+
+def _report(corrupt: list[bytes], key: bytes, why: str) -> None:
+    log.warning("index node %s treated as missing: %s", key.hex(), why)
+    corrupt.append(key)
+
+
+def _agreeing(node: Node, query: bytes, tokens: np.ndarray, depth: int) -> int:
+    """How many of the node's edge tokens agree with the query from `depth` on."""
+    span = min(node.end - node.start, len(tokens) - depth)
+    if node.edge[: 4 * span] == query[4 * depth : 4 * (depth + span)]:
+        return span
+    differs = node.tokens[:span] != tokens[depth : depth + span]
+    return int(np.argmax(differs))
+
+
+def _match(
+    ns: Namespace, path: list[Node], matched: int, corrupt: list[bytes]
+) -> Match:
+    restorable = _restorable(ns, path, matched)
+    depth = next(
+        (i for i, node in enumerate(path) if node.start < restorable <= node.end), -1
+    )
+    return Match(
+        ns,
+        path,
+        matched,
+        restorable,
+        depth,
+        _checkpoints(ns, path, matched, restorable),
+        corrupt,
+    )
+
+
+def _restorable(ns: Namespace, path: list[Node], matched: int) -> int:
+    # Range layers reach any position up to the first node that lacks one of them;
+    # whole-state layers only the end of a node that holds all of them.
+    limit = matched
+    for node in path:
+        if ns.range_mask & ~node.present:
+            limit = min(limit, node.start)
+            break
+    if not ns.whole_mask:
+        return limit
+    best = 0
+    for node in path:
+        if node.end > limit:
+            break
+        if node.present & ns.whole_mask == ns.whole_mask:
+            best = node.end
+    return best
+
+
+def _checkpoints(
+    ns: Namespace, path: list[Node], matched: int, restorable: int
+) -> tuple[int, ...]:
+    if not ns.whole_mask or not path:
+        return ()
+    ends = [
+        node.end
+        for node in path
+        if restorable < node.end <= matched
+        and node.present & ns.whole_mask != ns.whole_mask
+    ]
+    if path[-1].start < matched < path[-1].end:
+        ends.append(matched)  # the insert will split here, making a branch point
+    return tuple(ends)
+
+
+# --- insert -----------------------------------------------------------------
+
+
+def plan(
+    txn: lmdb.Transaction, dbs: Dbs, ns: Namespace, tokens: np.ndarray
+) -> InsertPlan:
+    """What inserting `tokens` would change, as seen by `txn`."""
+    match = walk(txn, dbs, ns, tokens)
+    if match.corrupt:
+        raise CorruptRecordError(
+            f"cannot insert through corrupt node {match.corrupt[0].hex()}; remove or repair it first"
+        )
+    m, n = match.matched, len(tokens)
+    hasher = keys.prefix_hasher(ns.key)
+    hasher.update(tokens[:m].tobytes())
+    split, parent = None, ns.key
+    if match.path:
+        last = match.path[-1]
+        parent = last.key
+        if m < last.end:
+            split = SplitPlan(
+                last.key, keys.digest(hasher.copy()), last.start, m, last.end
+            )
+            parent = split.upper_key
+    leaf_key = None
+    if m < n:
+        hasher.update(tokens[m:].tobytes())
+        leaf_key = keys.digest(hasher)
+    collision = _collision(txn, dbs, ns, [split.upper_key if split else None, leaf_key])
+    return InsertPlan(ns, tokens, match, split, parent, leaf_key, collision)
+
+
+def _collision(
+    txn, dbs, ns: Namespace, new_keys: Sequence[bytes | None]
+) -> bytes | None:
+    """A new key that is already some other node's or namespace's address, if any."""
+    seen = {ns.key}
+    for key in new_keys:
+        if key is None:
+            continue
+        taken = key in seen or txn.get(key, db=dbs.nodes) is not None
+        if taken or txn.get(key, db=dbs.namespaces) is not None:
+            return key
+        seen.add(key)
+    return None
+
+
+def apply(
+    txn: lmdb.Transaction,
+    dbs: Dbs,
+    stale: InsertPlan,
+    new_record: NodeRecord | None,
+    split_records: SplitRecords | None,
+) -> InsertResult:
+    """Apply a plan after proving, inside this write txn, that it is still current."""
+    current = plan(txn, dbs, stale.namespace, stale.tokens)
+    if (current.matched, current.path_keys, current.split) != (
+        stale.matched,
+        stale.path_keys,
+        stale.split,
+    ):
+        raise StaleInsertError(
+            f"trie changed since plan_insert (matched {stale.matched} -> {current.matched}); plan again"
+        )
+    if current.collision is not None:
+        raise KeyCollisionError(
+            f"key {current.collision.hex()} is taken by another prefix; insert refused"
+        )
+    created: list[bytes] = []
+    if current.split is not None:
+        _split(txn, dbs, current, split_records)
+        created.append(current.split.upper_key)
+    if current.leaf_key is not None:
+        _add_leaf(txn, dbs, current, new_record)
+        created.append(current.leaf_key)
+    end_key = current.leaf_key or (
+        current.split.upper_key if current.split else current.path_keys[-1]
+    )
+    m, n = current.span
+    return InsertResult(
+        end_key,
+        tuple(created),
+        current.split.upper_key if current.split else None,
+        n - m,
+    )
+
+
+def _split(txn, dbs, plan_: InsertPlan, split_records: SplitRecords | None) -> None:
+    ns, split = plan_.namespace, plan_.split
+    if split_records is None:
+        raise RecordLayoutError(
+            f"insert splits node {split.key.hex()} at {split.at}; split_records=(upper, lower) required"
+        )
+    upper_record, lower_record = split_records
+    check_layout(ns, upper_record)
+    check_layout(ns, lower_record)
+    lower = plan_.match.path[-1]
+    cut = 4 * (split.at - split.start)
+    upper_edge, lower_edge = lower.edge[:cut], lower.edge[cut:]
+    _put_node(
+        txn,
+        dbs,
+        split.upper_key,
+        ns.key,
+        lower.parent,
+        split.start,
+        split.at,
+        upper_record,
+        upper_edge,
+    )
+    _put_node(
+        txn,
+        dbs,
+        lower.key,
+        ns.key,
+        split.upper_key,
+        split.at,
+        split.end,
+        lower_record,
+        lower_edge,
+    )
+    access.stamp(txn, dbs, split.upper_key)
+    deltas = {
+        "nodes": 1,
+        "nbytes": upper_record.nbytes + lower_record.nbytes - lower.nbytes,
+    }
+    counters.add(txn, dbs, ns.key, deltas)
+
+
+def _add_leaf(txn, dbs, plan_: InsertPlan, record: NodeRecord | None) -> None:
+    ns = plan_.namespace
+    if record is None:
+        raise RecordLayoutError(
+            f"insert stores [{plan_.span[0]}, {plan_.span[1]}); new_record required"
+        )
+    check_layout(ns, record)
+    m, n = plan_.span
+    _put_node(
+        txn,
+        dbs,
+        plan_.leaf_key,
+        ns.key,
+        plan_.parent,
+        m,
+        n,
+        record,
+        plan_.tokens[m:].tobytes(),
+    )
+    access.stamp(txn, dbs, plan_.leaf_key)
+    counters.add(
+        txn, dbs, ns.key, {"nodes": 1, "nbytes": record.nbytes, "tokens_stored": n - m}
+    )
+
+
+def _put_node(
+    txn,
+    dbs,
+    key: bytes,
+    ns_key: bytes,
+    parent: bytes,
+    start: int,
+    end: int,
+    record: NodeRecord,
+    edge: bytes,
+) -> None:
+    """Write a node and the children entry that reaches it from its parent."""
+    txn.put(key, encode_node(ns_key, parent, start, end, record, edge), db=dbs.nodes)
+    txn.put(key, edge, db=dbs.edges)
+    first = int.from_bytes(edge[:4], "little")
+    txn.put(keys.child_key(parent, first), key, db=dbs.children)
+
+
+# --- changing nodes -----------------------------------------------------------
+
+
+def node_in(txn, dbs, ns_key: bytes, key: bytes) -> Node:
+    node = read_node(txn, dbs, key)
+    if node is None or node.namespace != ns_key:
+        raise NodeNotFoundError(f"no node {key.hex()} in namespace {ns_key.hex()}")
+    return node
+
+
+def remove_leaf(txn: lmdb.Transaction, dbs: Dbs, ns: Namespace, key: bytes) -> Node:
+    node = node_in(txn, dbs, ns.key, key)
+    if has_children(txn, dbs, key):
+        raise NodeHasChildrenError(
+            f"node {key.hex()} [{node.start}, {node.end}) has children"
+        )
+    txn.delete(key, db=dbs.nodes)
+    txn.delete(key, db=dbs.edges)
+    entry = keys.child_key(node.parent, int(node.tokens[0]))
+    if txn.get(entry, db=dbs.children) == key:
+        txn.delete(entry, db=dbs.children)
+    access.forget(txn, dbs, key)
+    deltas = {
+        "nodes": -1,
+        "nbytes": -node.nbytes,
+        "tokens_stored": -(node.end - node.start),
+    }
+    counters.add(txn, dbs, ns.key, deltas)
+    return node
+
+
+def replace_record(
+    txn: lmdb.Transaction, dbs: Dbs, ns: Namespace, node: Node, record: NodeRecord
+) -> Node:
+    check_layout(ns, record)
+    txn.put(
+        node.key,
+        encode_node(ns.key, node.parent, node.start, node.end, record, node.edge),
+        db=dbs.nodes,
+    )
+    counters.add(txn, dbs, ns.key, {"nbytes": record.nbytes - node.nbytes})
+    return read_node(txn, dbs, node.key)

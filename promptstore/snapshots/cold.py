@@ -1,0 +1,224 @@
+"""The cold tier: one safetensors file per stored node, shared by every process.
+
+A file is named by its node key and span (so it is never overwritten in place:
+a split node gets new files), written under a temporary name, fsynced, renamed
+and its directory fsynced before anyone may point at it. Loading checks the
+header, the node's identity and every array's xxh3-128 before a byte is used;
+a file that fails is moved to quarantine for `tools/compact`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+import xxhash
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..caches import FORMAT_VERSION, Snapshot, from_flat, to_flat
+from ..errors import ColdFileError, DiskWriteError, SnapshotFormatError, UnknownKindError
+from .safetensors_header import read_header
+
+NODE_KEY = "promptstore.node"
+SUFFIX = ".safetensors"
+TEMP_MARK = ".tmp-"
+
+
+class NodeFileMeta(BaseModel):
+    """Who a file belongs to, and the checksum of each of its arrays."""
+
+    model_config = ConfigDict(extra="forbid")
+    format_version: int
+    key: str
+    namespace: str
+    start: int
+    end: int
+    checksums: dict[str, str]
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """A published cold file: its path relative to the tier root, size and digest."""
+
+    path: str
+    nbytes: int
+    checksum: str
+
+
+def checksum(array: mx.array) -> str:
+    # Hashes MLX's buffer in place: no copy, bf16 included.
+    return xxhash.xxh3_128_hexdigest(memoryview(array))
+
+
+class ColdTier:
+    """Snapshot files under `root` (created private), in a two-level fan-out."""
+
+    def __init__(self, root: str | os.PathLike, *, file_mode: int = 0o600, dir_mode: int = 0o700, fsync: bool = True):
+        self.root = Path(root)
+        self.file_mode, self.dir_mode, self.fsync = file_mode, dir_mode, fsync
+        self.files = self.root / "files"
+        self.quarantine_dir = self.root / "quarantine"
+        for d in (self.root, self.files, self.quarantine_dir):
+            d.mkdir(mode=dir_mode, parents=True, exist_ok=True)
+        self.resolved = self.root.resolve()
+
+    # --- naming ----------------------------------------------------------------
+
+    def relative_path(self, key: bytes, start: int, end: int) -> str:
+        h = key.hex()
+        return f"files/{h[:2]}/{h[2:4]}/{h}-{start}-{end}{SUFFIX}"
+
+    def absolute(self, rel: str) -> Path:
+        """The file for a path from the index; never one outside the tier."""
+        parts = Path(rel).parts
+        if not parts or parts[0] != "files" or ".." in parts or Path(rel).is_absolute():
+            raise ColdFileError(f"path {rel!r} is outside the store", "path", rel)
+        return self.resolved / rel
+
+    # --- writing ---------------------------------------------------------------
+
+    def write(self, key: bytes, namespace: bytes, start: int, end: int, snapshots: Sequence[Snapshot]) -> FileRef:
+        """Write a node's snapshots durably; returns the ref to publish in the index."""
+        arrays, metadata = to_flat(snapshots)
+        mx.eval(list(arrays.values()))
+        sums = {name: checksum(a) for name, a in arrays.items()}
+        meta = NodeFileMeta(format_version=FORMAT_VERSION, key=key.hex(), namespace=namespace.hex(),
+                            start=start, end=end, checksums=sums)
+        metadata[NODE_KEY] = meta.model_dump_json()
+        rel = self.relative_path(key, start, end)
+        final = self.root / rel
+        try:
+            final.parent.mkdir(mode=self.dir_mode, parents=True, exist_ok=True)
+            temp = final.with_name(f"{final.stem}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
+            mx.save_safetensors(str(temp), arrays, metadata)
+            os.chmod(temp, self.file_mode)
+            self._sync_file(temp)
+            os.replace(temp, final)
+            self._sync_dir(final.parent)
+        except OSError as e:
+            self._discard(locals().get("temp"))
+            raise DiskWriteError(f"could not write {rel}: {e.strerror or e}") from e
+        except RuntimeError as e:  # MLX reports write failures (ENOSPC) this way
+            self._discard(locals().get("temp"))
+            raise DiskWriteError(f"could not write {rel}: {e}") from e
+        digest = xxhash.xxh3_128_hexdigest(json.dumps(sums, sort_keys=True).encode())
+        return FileRef(rel, final.stat().st_size, digest)
+
+    def _sync_file(self, path: Path) -> None:
+        if self.fsync:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _sync_dir(self, path: Path) -> None:
+        if self.fsync:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    @staticmethod
+    def _discard(path) -> None:
+        if path is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    # --- reading ---------------------------------------------------------------
+
+    def load(self, rel: str, *, key: bytes, namespace: bytes, start: int, end: int) -> list[Snapshot]:
+        """The node's verified snapshots, or ColdFileError saying what is wrong."""
+        path = self.absolute(rel)
+        header, metadata = self._header(path, rel)
+        meta = self._identity(metadata, rel, key, namespace, start, end)
+        if set(meta.checksums) != set(header):
+            raise ColdFileError(f"{rel}: checksums do not name the file's arrays", "header", rel)
+        try:
+            arrays = mx.load(str(path))
+            # Hash each array as soon as it is read while MLX reads the next.
+            mx.async_eval(list(arrays.values()))
+            for name, a in arrays.items():
+                if checksum(a) != meta.checksums.get(name):
+                    raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
+        try:
+            snapshots = from_flat(arrays, metadata)
+        except (SnapshotFormatError, UnknownKindError) as e:
+            raise ColdFileError(f"{rel}: {e}", "format", rel) from None
+        if any(s is not None and (s.start, s.end) != (start, end) for s in snapshots):
+            raise ColdFileError(f"{rel}: snapshots do not span [{start}, {end})", "identity", rel)
+        return snapshots
+
+    def _header(self, path: Path, rel: str):
+        try:
+            return read_header(path)
+        except FileNotFoundError:
+            raise ColdFileError(f"{rel}: missing", "missing", rel) from None
+        except OSError as e:
+            raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
+        except ValueError as e:
+            raise ColdFileError(f"{rel}: bad header: {e}", "header", rel) from None
+
+    @staticmethod
+    def _identity(metadata, rel, key, namespace, start, end) -> NodeFileMeta:
+        try:
+            meta = NodeFileMeta.model_validate(json.loads(metadata.get(NODE_KEY, "")))
+        except (ValidationError, ValueError):
+            raise ColdFileError(f"{rel}: no valid node record", "header", rel) from None
+        if meta.format_version != FORMAT_VERSION:
+            raise ColdFileError(f"{rel}: format version {meta.format_version}", "version", rel)
+        if (meta.key, meta.namespace, meta.start, meta.end) != (key.hex(), namespace.hex(), start, end):
+            raise ColdFileError(
+                f"{rel}: holds node {meta.key[:12]} [{meta.start}, {meta.end}) of namespace "
+                f"{meta.namespace[:12]}, expected {key.hex()[:12]} [{start}, {end})",
+                "identity",
+                rel,
+            )
+        return meta
+
+    # --- housekeeping ----------------------------------------------------------
+
+    def quarantine(self, rel: str) -> Path | None:
+        """Move a bad file aside (never deleted silently); None if it is gone."""
+        src = self.root / rel
+        dst = self.quarantine_dir / f"{Path(rel).name}.{secrets.token_hex(3)}"
+        try:
+            os.replace(src, dst)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            return None
+        return dst
+
+    def delete(self, rel: str) -> None:
+        try:
+            os.unlink(self.root / rel)
+        except FileNotFoundError:
+            pass
+
+    def iter_files(self) -> Iterator[tuple[str, int]]:
+        """(relative path, bytes) of every published file."""
+        for path in self.files.rglob(f"*{SUFFIX}"):
+            if TEMP_MARK not in path.name:
+                yield str(path.relative_to(self.root)), path.stat().st_size
+
+    def iter_temp_files(self) -> Iterator[Path]:
+        for path in self.files.rglob(f"*{TEMP_MARK}*"):
+            yield path
+
+    def disk_bytes(self) -> int:
+        return sum(size for _, size in self.iter_files())

@@ -1,0 +1,72 @@
+"""A strict reader of safetensors headers, run before MLX touches a file.
+
+A crafted header (huge, overlapping or out-of-file offsets, unknown dtypes,
+sizes that disagree with shapes) is refused here with a ValueError, so MLX
+only ever loads files whose layout is consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+MAX_HEADER = 16 << 20
+ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8,
+}
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
+    """(tensors by name: {dtype, shape, data_offsets}, string metadata)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("file shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER or 8 + length > size:
+            raise ValueError(f"header length {length} does not fit a file of {size} bytes")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError("header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not an object")
+    metadata = header.pop("__metadata__", {}) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("metadata must map strings to strings")
+    _check_layout(header, size - 8 - length)
+    return header, metadata
+
+
+def _check_layout(tensors: dict, data_size: int) -> None:
+    spans = []
+    for name, info in tensors.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise ValueError(f"tensor {name!r}: malformed entry")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in ITEMSIZE:
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise ValueError(f"tensor {name!r}: bad shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise ValueError(f"tensor {name!r}: bad offsets {offsets!r}")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_size:
+            raise ValueError(f"tensor {name!r}: offsets {offsets} outside the data")
+        if end - begin != math.prod(shape) * ITEMSIZE[dtype]:
+            raise ValueError(f"tensor {name!r}: {end - begin} bytes for shape {shape} {dtype}")
+        spans.append((begin, end))
+    spans.sort()
+    cursor = 0
+    for begin, end in spans:
+        if begin != cursor:
+            raise ValueError("tensor data overlaps or leaves gaps")
+        cursor = end
+    if cursor != data_size:
+        raise ValueError(f"tensor data covers {cursor} of {data_size} bytes")

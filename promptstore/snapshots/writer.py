@@ -1,0 +1,92 @@
+"""The background writer: spills nodes to the cold tier off the caller's thread.
+
+A bounded queue gives back-pressure instead of unbounded memory; each job is
+written (temp file, fsync, rename) and then handed to `publish`, which records
+it in the index. A failed write (disk full, read-only filesystem) goes to
+`failed`, and the node stays in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from ..caches import Snapshot
+from ..errors import DiskWriteError
+from .cold import ColdTier, FileRef
+
+log = logging.getLogger("promptstore.snapshots")
+
+
+@dataclass(eq=False)
+class SpillJob:
+    key: bytes
+    namespace: bytes
+    start: int
+    end: int
+    snapshots: list[Snapshot]
+    done: threading.Event = field(default_factory=threading.Event)
+    ref: Optional[FileRef] = None
+    error: Optional[Exception] = None
+
+
+class Writer:
+    """One thread writing SpillJobs in order."""
+
+    def __init__(self, cold: ColdTier, publish: Callable[[SpillJob], None],
+                 failed: Callable[[SpillJob], None], maxsize: int = 64):
+        self.cold, self.publish, self.failed = cold, publish, failed
+        self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.thread = threading.Thread(target=self._run, name="promptstore-writer", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: SpillJob) -> SpillJob:
+        """Queue a job (blocks while the queue is full)."""
+        self.queue.put(job)
+        return job
+
+    def write_now(self, job: SpillJob) -> SpillJob:
+        """Write in the caller's thread (the `sync` durability)."""
+        self._do(job)
+        return job
+
+    def flush(self) -> None:
+        """Wait until every queued job is written or failed."""
+        self.queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        self.queue.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        # MLX streams belong to threads: this one needs its own.
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        while True:
+            job = self.queue.get()
+            try:
+                if job is None:
+                    return
+                self._do(job)
+            finally:
+                self.queue.task_done()
+
+    def _do(self, job: SpillJob) -> None:
+        try:
+            job.ref = self.cold.write(job.key, job.namespace, job.start, job.end, job.snapshots)
+            self.publish(job)
+        except DiskWriteError as e:
+            job.error = e
+            log.warning("spill of %s failed; it stays in memory: %s", job.key.hex()[:12], e)
+            self.failed(job)
+        except Exception as e:  # a bug must not kill the writer thread silently
+            job.error = e
+            log.exception("spill of %s failed", job.key.hex()[:12])
+            self.failed(job)
+        finally:
+            job.done.set()

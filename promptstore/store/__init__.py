@@ -1,0 +1,7 @@
+"""The public store: PromptStore, a Space per model namespace, and its Hits."""
+
+from .space import Hit, Space
+from .store import PromptStore, StoreDirectoryError, default_path
+from .tiers import Report, Tiers
+
+__all__ = ["Hit", "PromptStore", "Report", "Space", "StoreDirectoryError", "Tiers", "default_path"]

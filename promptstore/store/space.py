@@ -1,0 +1,296 @@
+"""A namespace bound to a model: fetch the longest stored prefix, insert new spans.
+
+fetch reassembles a hit from the snapshots along the trie path (one chain per
+layer, restored with one copy per array); insert snapshots only the span not
+yet stored, splitting the snapshots of an edge where a new sequence diverges.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .. import caches as C
+from ..caches import Snapshot
+from ..errors import CacheError, CorruptRecordError, KeyCollisionError, StaleInsertError
+from ..index import LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens
+
+if TYPE_CHECKING:
+    from .store import PromptStore
+
+
+@dataclass
+class Hit:
+    """What fetch found.
+
+    length: prompt tokens restored (at most len(tokens) - 1, so the caller
+        always computes the last position's logits).
+    cache: per-layer caches at offset `length`, usable as mlx-lm's prompt_cache.
+    checkpoints: positions p > length where the caller, while prefilling,
+        should call `space.insert(tokens[:p], cache)`.
+    """
+
+    length: int
+    cache: list
+    checkpoints: tuple[int, ...] = ()
+    nodes: int = 0
+    cold_nodes: int = 0
+    seconds: float = 0.0
+
+
+def layer_spec(cache: Any, dtype: str) -> LayerSpec:
+    layout = cache.layout()
+    if cache.kind == "cache_list":
+        return LayerSpec(kind="cache_list", children=[layer_spec(c, dtype) for c in cache.caches])
+    return LayerSpec(
+        kind=cache.kind,
+        window=layout.get("max_size"),
+        keep=layout.get("keep"),
+        bits=layout.get("bits"),
+        group_size=layout.get("group_size"),
+        chunk_size=layout.get("chunk_size"),
+        dtype=dtype,
+    )
+
+
+def model_dtype(model: nn.Module) -> str:
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
+    floats = [p.dtype for _, p in params if mx.issubdtype(p.dtype, mx.floating)]
+    return str(floats[0]).rsplit(".", 1)[-1] if floats else "unknown"
+
+
+def weights_digest(model: nn.Module) -> str:
+    """xxh3-128 over every parameter's name, dtype, shape and bytes."""
+    import xxhash
+    from mlx.utils import tree_flatten
+
+    h = xxhash.xxh3_128()
+    for name, p in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        mx.eval(p)
+        h.update(f"{name}:{p.dtype}:{p.shape};".encode())
+        h.update(memoryview(mx.contiguous(p)))
+    return h.hexdigest()
+
+
+def split_for_edge(snapshot: Snapshot, at: int):
+    """Split a stored node's snapshot where an edge is cut.
+
+    Range layers split; a whole-state layer has no state at `at` (the upper
+    node waits for a checkpoint) and keeps its state at the end, now spanning
+    [at, end). A cache list splits its range children and keeps its
+    whole-state children the same way.
+    """
+    upper, lower = C.split_snapshot(snapshot, at)
+    if upper is not None or lower is None or lower.start == at:
+        return upper, lower
+    if snapshot.kind == "cache_list":
+        children = tuple(split_for_edge(c, at)[1] for c in snapshot.children)
+        return None, Snapshot(snapshot.kind, at, snapshot.end, snapshot.whole, {}, dict(snapshot.scalars), children)
+    return None, Snapshot(snapshot.kind, at, snapshot.end, True, snapshot.arrays, dict(snapshot.scalars), snapshot.children)
+
+
+class Space:
+    """One namespace of a store, bound to a model."""
+
+    def __init__(self, store: "PromptStore", model: nn.Module, namespace: Namespace, cache_kwargs: dict):
+        self.store, self.model, self.namespace = store, model, namespace
+        self.cache_kwargs = cache_kwargs
+        self.index, self.tiers = store.index, store.tiers
+
+    @classmethod
+    def bind(cls, store, model, model_id=None, salt=None, kv_bits=None, kv_group_size=64, max_kv_size=None) -> "Space":
+        kwargs = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "max_kv_size": max_kv_size}
+        template = C.make_prompt_cache(model, **kwargs)
+        dtype = model_dtype(model)
+        spec = NamespaceSpec(
+            model_id=model_id,
+            weights_digest=None if model_id else weights_digest(model),
+            layers=[layer_spec(c, dtype) for c in template],
+            salt=salt,
+        )
+        return cls(store, model, store.index.register_namespace(spec), kwargs)
+
+    def new_cache(self) -> list:
+        """Empty per-layer caches of this namespace's layout."""
+        return C.make_prompt_cache(self.model, **self.cache_kwargs)
+
+    # --- fetch ------------------------------------------------------------------------
+
+    def fetch(self, tokens) -> Hit:
+        """The longest stored, restorable prefix of `tokens` (always leaving one token)."""
+        start = time.perf_counter()
+        toks = as_tokens(tokens)
+        cache = self.new_cache()
+        if len(toks) < 2:
+            self.index.bump(self.namespace, misses=1)
+            return Hit(0, cache, self._grid(0, len(toks)), seconds=time.perf_counter() - start)
+        match = self.index.lookup(self.namespace, toks[:-1])
+        path = list(match.path[: match.restorable_depth + 1])
+        target = match.restorable
+        restored = self._restore(cache, path, target)
+        length, used, cold = restored if restored else (0, 0, 0)
+        if length:
+            self.index.touch(n.key for n in path[:used])
+            self.index.bump(self.namespace, hits=1, tokens_served=length)
+        else:
+            self.index.bump(self.namespace, misses=1)
+        checkpoints = tuple(sorted({p for p in match.checkpoints if p > length} | set(self._grid(length, len(toks) - 1))))
+        return Hit(length, cache, checkpoints, used, cold, time.perf_counter() - start)
+
+    def _grid(self, start: int, end: int) -> tuple[int, ...]:
+        if self.namespace.whole_mask == 0:
+            return ()  # range layers restore anywhere: no checkpoints needed
+        step = self.store.settings.checkpoint_interval
+        return tuple(range((start // step + 1) * step, end + 1, step))
+
+    def _restore(self, cache, path: list[Node], target: int):
+        """Restore `cache` to the deepest position <= target every layer reaches."""
+        snaps, cold = [], 0
+        for node in path:
+            before = self.tiers.counts["cold_loads"]
+            got = self.tiers.get(node)
+            if got is None:
+                break
+            cold += self.tiers.counts["cold_loads"] > before
+            snaps.append(got)
+        path = path[: len(snaps)]
+        while path:
+            end = min(target, path[-1].end)
+            chains = self._chains(path, snaps)
+            if chains is not None and end > path[-1].start and C.restore_prompt_cache(cache, chains, end):
+                return end, len(path), cold
+            path, snaps = path[:-1], snaps[:-1]
+            target = path[-1].end if path else 0
+        return None
+
+    def _chains(self, path: list[Node], snaps: list[list[Snapshot]]):
+        """Per layer, the consecutive snapshots ending at the last node, or None."""
+        chains = []
+        for layer in range(self.namespace.n_layers):
+            chain = []
+            for node, layers in zip(reversed(path), reversed(snaps)):
+                s = layers[layer]
+                if s is None:
+                    break
+                chain.insert(0, s)
+                if s.whole and s.kind != "cache_list":
+                    break  # the state at the end is all a whole-state layer needs
+            if not chain or chain[-1].end != path[-1].end:
+                return None
+            chains.append(chain)
+        return chains
+
+    # --- insert -----------------------------------------------------------------------
+
+    def insert(self, tokens, cache: Sequence[Any], prefill_seconds: Optional[float] = None) -> int:
+        """Store what `cache` (holding exactly `tokens`) adds; returns new tokens stored."""
+        toks = as_tokens(tokens)
+        position = C.prompt_position(cache)
+        if position != len(toks):
+            raise CacheError(f"the cache holds {position} positions but {len(toks)} tokens were given")
+        for _ in range(4):
+            plan = self.index.plan_insert(self.namespace, toks)
+            try:
+                return self._commit(plan, toks, cache, prefill_seconds)
+            except StaleInsertError:
+                continue
+            except KeyCollisionError:
+                return 0
+        return 0
+
+    def _commit(self, plan, toks: np.ndarray, cache, prefill_seconds) -> int:
+        start, end = plan.span
+        split_records = None
+        uppers = lowers = None
+        if plan.split is not None:
+            split_records, uppers, lowers = self._split(plan)
+            if split_records is None:
+                return 0
+        new = self._snap_span(cache, start, end) if end > start else None
+        fill = self._fill_checkpoint(plan, cache) if end == start and plan.split is None else None
+        if new is None and plan.split is None and fill is None:
+            return 0
+        record = self._record(new, prefill_seconds, end - start) if new is not None else None
+        result = self.index.commit_insert(plan, record, split_records)
+        if plan.split is not None:
+            self._place_split(plan, uppers, lowers)
+        if new is not None:
+            self.tiers.put(self.index.get(result.key), new, record.prefill_seconds)
+        if fill is not None:
+            fill()
+        self.index.bump(self.namespace, tokens_stored=end - start)
+        return end - start
+
+    def _snap_span(self, cache, start: int, end: int) -> list[Snapshot]:
+        snaps = C.snapshot_prompt_cache(cache, start)
+        mx.eval([a for s in snaps for a in s.all_arrays()])
+        return snaps
+
+    def _record(self, snaps, prefill_seconds, n_tokens) -> NodeRecord:
+        present = [s is not None for s in snaps]
+        record = NodeRecord.blank(self.namespace, present)
+        layers = [ref.model_copy(update={"nbytes": s.nbytes if s is not None else 0}) for ref, s in zip(record.layers, snaps)]
+        seconds = prefill_seconds if prefill_seconds is not None else self.store.estimate_prefill(n_tokens)
+        return record.model_copy(update={"layers": layers, "nbytes": sum(s.nbytes for s in snaps if s is not None), "prefill_seconds": seconds})
+
+    def _split(self, plan):
+        node = self._node(plan.split.key)
+        snaps = self.tiers.get(node) if node is not None else None
+        if snaps is None:
+            return None, None, None  # its data is gone: do not split what cannot be served
+        halves = [split_for_edge(s, plan.split.at) if s is not None else (None, None) for s in snaps]
+        uppers = [u for u, _ in halves]
+        lowers = [lo for _, lo in halves]
+        frac = (plan.split.at - node.start) / (node.end - node.start)
+        seconds = node.record.prefill_seconds
+        upper_rec = self._record(uppers, seconds * frac, 0)
+        lower_rec = self._record(lowers, seconds * (1 - frac), 0)
+        return (upper_rec, lower_rec), uppers, lowers
+
+    def _place_split(self, plan, uppers, lowers) -> None:
+        self.tiers.forget(plan.split.key)
+        for key, snaps in ((plan.split.upper_key, uppers), (plan.split.key, lowers)):
+            node = self._node(key)
+            if node is not None:
+                self.tiers.put(node, snaps, node.record.prefill_seconds)
+
+    def _fill_checkpoint(self, plan, cache):
+        """All tokens are stored and end at a node: fill its missing whole-state layers."""
+        node = plan.match.path[-1] if plan.match.path else None
+        if node is None or node.end != len(plan.tokens):
+            return None
+        try:
+            record = node.record
+        except CorruptRecordError:
+            return None
+        missing = [i for i, ref in enumerate(record.layers) if not ref.present]
+        if not missing:
+            return None
+
+        def fill():
+            current = self.tiers.get(node)
+            if current is None:
+                return
+            fresh = self._snap_span(cache, node.start, node.end)
+            merged = [fresh[i] if i in missing else s for i, s in enumerate(current)]
+            if any(s is None for s in merged):
+                return
+            new_record = self._record(merged, record.prefill_seconds, 0)
+            self.index.update_record(node.key, new_record.model_copy(update={"file": None}))
+            self.tiers.forget(node.key)
+            self.tiers.put(self.index.get(node.key), merged, record.prefill_seconds)
+
+        return fill
+
+    def _node(self, key: bytes) -> Optional[Node]:
+        try:
+            return self.index.get(key)
+        except CorruptRecordError:
+            return None

@@ -1,0 +1,96 @@
+"""The public PromptStore: an index, the tiers, and namespaces bound to models.
+
+It holds no storage logic of its own: the index finds prefixes, the tiers
+hold snapshots, and a Space (a namespace bound to a model) composes them.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.nn as nn
+import platformdirs
+
+from ..config import Settings
+from ..errors import PromptStoreError
+from ..index import Index
+from .space import Space
+from .tiers import Tiers
+
+# A rough prefill cost per token, used to value nodes inserted without a timing.
+_DEFAULT_SECONDS_PER_TOKEN = 1e-3
+
+
+def default_path() -> Path:
+    """$PROMPTSTORE_HOME, else the user's cache directory."""
+    home = os.environ.get("PROMPTSTORE_HOME")
+    return Path(home) if home else Path(platformdirs.user_cache_dir("promptstore"))
+
+
+class StoreDirectoryError(PromptStoreError):
+    """The store directory is unsafe or unusable (a symlink, another owner's, not a directory)."""
+
+
+class PromptStore:
+    """A persistent prompt-cache store in one directory (LMDB index plus files)."""
+
+    def __init__(self, path: Path, settings: Settings):
+        self.path, self.settings = path, settings
+        self.index = Index.open(path / "index", map_size=settings.map_size)
+        self.tiers = Tiers(path, self.index, settings)
+        self.seconds_per_token = _DEFAULT_SECONDS_PER_TOKEN
+        self._closed = False
+
+    @classmethod
+    def open(cls, path: Optional[str | os.PathLike] = None, **settings: Any) -> "PromptStore":
+        """Open (creating it private) the store at `path` (default: `default_path()`).
+
+        settings: fields of `promptstore.config.Settings`, over PROMPTSTORE_* variables.
+        """
+        config = Settings.from_env(**settings)
+        root = Path(path) if path is not None else default_path()
+        _prepare(root, config.dir_mode)
+        return cls(root, config)
+
+    def namespace(self, model: nn.Module, model_id: Optional[str] = None, salt: Optional[str] = None, **cache_kwargs) -> Space:
+        """Bind `model` (and its cache layout) to a namespace of this store.
+
+        model_id: an identity you vouch for; without it the weights are digested.
+        salt: a tenant secret; namespaces with different salts never share a node.
+        cache_kwargs: kv_bits, kv_group_size, max_kv_size, as for make_prompt_cache.
+        """
+        return Space.bind(self, model, model_id=model_id, salt=salt, **cache_kwargs)
+
+    def estimate_prefill(self, n_tokens: int) -> float:
+        return n_tokens * self.seconds_per_token
+
+    def flush(self) -> None:
+        """Wait for queued spills."""
+        self.tiers.flush()
+
+    def close(self) -> None:
+        """Put everything on disk (whatever the durability) and close the index."""
+        if not self._closed:
+            self._closed = True
+            self.tiers.close()
+            self.index.close()
+
+    def __enter__(self) -> "PromptStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _prepare(root: Path, mode: int) -> None:
+    if root.is_symlink():
+        raise StoreDirectoryError(f"{root} is a symlink; refusing to use it as a store")
+    root.mkdir(mode=mode, parents=True, exist_ok=True)
+    info = root.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise StoreDirectoryError(f"{root} is not a directory")
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise StoreDirectoryError(f"{root} belongs to another user")

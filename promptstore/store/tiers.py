@@ -1,0 +1,221 @@
+"""Tiers: a node's snapshots in memory, on disk, and the moves between them.
+
+Composes the hot tier, the cold tier, the background writer and the index
+records that say where each node's file is. A file is written before the
+index points at it; an evicted node leaves the index before its file goes, so
+a crash leaves an orphan file (which compact reclaims), never a dangling entry.
+Anything wrong with a file is a miss plus a report, never an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from ..caches import Snapshot
+from ..config import Settings
+from ..errors import ColdFileError, CorruptRecordError, NodeHasChildrenError, NodeNotFoundError
+from ..index import Index, Node
+from ..snapshots import ColdTier, HotTier, SpillJob, Writer
+from ..snapshots.value import value
+
+log = logging.getLogger("promptstore.store")
+
+
+@dataclass(frozen=True)
+class Report:
+    """Something a caller did not see as an error but an operator should know."""
+
+    reason: str
+    key: str
+    detail: str
+    at: float = field(default_factory=time.time)
+
+
+class Tiers:
+    """Snapshots of every namespace of one store, for this process."""
+
+    def __init__(self, root: Path, index: Index, settings: Settings):
+        self.index, self.settings = index, settings
+        self.cold = ColdTier(root / "cold", file_mode=settings.file_mode, dir_mode=settings.dir_mode, fsync=settings.fsync)
+        self.hot = HotTier(settings.hot_bytes)
+        self.writer = Writer(self.cold, self._publish, self._failed, settings.writer_queue)
+        self.pending: dict[bytes, SpillJob] = {}  # evicted from memory, not yet on disk
+        self.stranded: dict[bytes, SpillJob] = {}  # could not be written: kept in memory
+        self.reports: deque[Report] = deque(maxlen=1000)
+        self.counts: Counter = Counter()
+        self.lock = threading.RLock()
+
+    # --- placing ------------------------------------------------------------------
+
+    def put(self, node: Node, snapshots: list[Snapshot], prefill_seconds: float = 0.0) -> None:
+        """Hold a node's snapshots and spill per the durability setting."""
+        mx.eval([a for s in snapshots if s is not None for a in s.all_arrays()])
+        meta = {"namespace": node.namespace, "start": node.start, "end": node.end}
+        evicted = self.hot.put(node.key, snapshots, prefill_seconds=prefill_seconds, meta=meta)
+        mode = self.settings.durability
+        if mode == "sync":
+            self.writer.write_now(self._job(node.key, snapshots, meta))
+        elif mode == "write_through":
+            self._submit(self._job(node.key, snapshots, meta))
+        for entry in evicted:
+            if entry.dirty:
+                self._submit(self._job(entry.key, entry.snapshots, entry.meta))
+
+    def forget(self, key: bytes) -> None:
+        """Drop a node's in-memory snapshots (its span changed or it was removed)."""
+        self.hot.pop(key)
+
+    @staticmethod
+    def _job(key, snapshots, meta) -> SpillJob:
+        return SpillJob(key, meta["namespace"], meta["start"], meta["end"], snapshots)
+
+    def _submit(self, job: SpillJob) -> None:
+        with self.lock:
+            self.pending[job.key] = job
+        self.writer.submit(job)
+
+    # --- serving ------------------------------------------------------------------
+
+    def get(self, node: Node) -> Optional[list[Snapshot]]:
+        """The node's snapshots from memory or a verified file; None is a miss."""
+        span = (node.namespace, node.start, node.end)
+        entry = self.hot.get(node.key)
+        if entry is not None and (entry.meta["namespace"], entry.meta["start"], entry.meta["end"]) == span:
+            return entry.snapshots
+        with self.lock:
+            for jobs in (self.pending, self.stranded):
+                job = jobs.get(node.key)
+                if job is not None and (job.namespace, job.start, job.end) == span:
+                    return job.snapshots
+        return self._load(node)
+
+    def _load(self, node: Node) -> Optional[list[Snapshot]]:
+        try:
+            record = node.record
+        except CorruptRecordError as e:
+            self.report("record", node.key, str(e))
+            return None
+        if record.file is None:
+            return None
+        try:
+            snapshots = self.cold.load(record.file, key=node.key, namespace=node.namespace, start=node.start, end=node.end)
+        except ColdFileError as e:
+            self._bad_file(node, e)
+            return None
+        self.counts["cold_loads"] += 1
+        meta = {"namespace": node.namespace, "start": node.start, "end": node.end}
+        for entry in self.hot.put(node.key, snapshots, prefill_seconds=record.prefill_seconds, dirty=False, meta=meta):
+            if entry.dirty:
+                self._submit(self._job(entry.key, entry.snapshots, entry.meta))
+        return snapshots
+
+    def _bad_file(self, node: Node, error: ColdFileError) -> None:
+        """A miss: report it, quarantine the file, and stop pointing at it."""
+        self.report(error.reason, node.key, str(error))
+        if error.reason != "missing":
+            self.cold.quarantine(error.path)
+        try:
+            record = node.record.model_copy(update={"file": None, "checksum": None, "tier": "hot"})
+            self.index.update_record(node.key, record)
+        except (NodeNotFoundError, CorruptRecordError):
+            pass
+
+    def report(self, reason: str, key: bytes, detail: str) -> None:
+        self.counts[f"miss_{reason}"] += 1
+        self.reports.append(Report(reason, key.hex(), detail))
+        log.warning("miss (%s) on node %s: %s", reason, key.hex()[:12], detail)
+
+    # --- the writer's callbacks (writer thread) -----------------------------------
+
+    def _publish(self, job: SpillJob) -> None:
+        with self.lock:
+            if self.pending.get(job.key) is job:
+                del self.pending[job.key]
+            self.stranded.pop(job.key, None)
+        ref = job.ref
+        try:
+            node = self.index.get(job.key)
+            if node is None or (node.namespace, node.start, node.end) != (job.namespace, job.start, job.end):
+                self.cold.delete(ref.path)  # the node was split or removed meanwhile
+                self.counts["spills_dropped"] += 1
+                return
+            old = node.record.file
+            tier = "both" if job.key in self.hot else "cold"
+            record = node.record.model_copy(update={"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": tier})
+            self.index.update_record(job.key, record)
+        except (NodeNotFoundError, CorruptRecordError):
+            self.cold.delete(ref.path)
+            return
+        if old and old != ref.path:
+            self.cold.delete(old)
+        self.hot.mark_clean(job.key)
+        self.counts["spills"] += 1
+
+    def _failed(self, job: SpillJob) -> None:
+        with self.lock:
+            if self.pending.get(job.key) is job:
+                del self.pending[job.key]
+            if job.key not in self.hot:
+                self.stranded[job.key] = job
+        self.report("disk", job.key, str(job.error))
+
+    # --- budgets and shutdown -------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait for queued spills; retry ones the disk refused."""
+        self.writer.flush()
+        with self.lock:
+            retry = list(self.stranded.values())
+        for job in retry:
+            self._submit(SpillJob(job.key, job.namespace, job.start, job.end, job.snapshots))
+        self.writer.flush()
+
+    def spill_all(self) -> None:
+        """Put every node that is only in memory on disk (close, whatever the durability)."""
+        for entry in self.hot.dirty_entries():
+            self._submit(self._job(entry.key, entry.snapshots, entry.meta))
+        self.flush()
+
+    def cold_bytes(self) -> int:
+        return sum(n.record.nbytes for n in self._filed())
+
+    def _filed(self):
+        for node in self.index.iter_by_access():
+            try:
+                if node.record.file:
+                    yield node
+            except CorruptRecordError:
+                continue
+
+    def evict_cold(self, budget: Optional[int] = None) -> tuple[int, int]:
+        """Evict leaves with files, least valuable first, until the cold tier is
+        within `budget` (default: the setting). Returns (nodes, bytes) removed."""
+        budget = self.settings.disk_bytes if budget is None else budget
+        removed = freed = 0
+        while True:
+            filed = list(self._filed())
+            total = sum(n.record.nbytes for n in filed)
+            leaves = [(age, n) for age, n in enumerate(reversed(filed)) if self.index.is_leaf(n.key)]
+            if total <= budget or not leaves:
+                return removed, freed
+            _, victim = min(leaves, key=lambda an: value(an[1].record.prefill_seconds, an[1].record.hits, an[1].record.nbytes, an[0]))
+            try:
+                ns = self.index.namespace(victim.namespace)
+                self.index.remove(ns, victim.key)  # the entry first: a crash leaves an orphan file
+            except (NodeHasChildrenError, NodeNotFoundError):
+                continue
+            self.forget(victim.key)
+            self.cold.delete(victim.record.file)
+            removed, freed = removed + 1, freed + victim.record.nbytes
+
+    def close(self) -> None:
+        self.spill_all()
+        self.writer.close()

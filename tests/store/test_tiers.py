@@ -1,0 +1,142 @@
+"""Tiers: budgets, durability settings, eviction order, and a disk that refuses writes."""
+
+import os
+import stat
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from promptstore import PromptStore
+from promptstore import caches as C
+from promptstore.errors import DiskWriteError
+from promptstore.snapshots import HotTier
+
+from ..caches.drivers import kv_rows
+from ..conftest import forward, fresh_cache, prompt_tokens
+
+
+def kv_snapshots(n_tokens: int):
+    cache = C.KVCache()
+    cache.update_and_fetch(*kv_rows(0, n_tokens))
+    return [cache.snapshot(0).eval()]
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["put", "get", "pin"]), st.integers(0, 9), st.integers(1, 40)), max_size=60),
+       budget=st.integers(0, 40 * 2 * 2 * 32 * 4 * 3))
+def test_hot_budget_holds_within_one_entry(ops, budget):
+    hot = HotTier(budget)
+    largest = 0
+    for op, key, n in ops:
+        k = bytes([key]) * 16
+        if op == "put":
+            snaps = kv_snapshots(n)
+            largest = max(largest, snaps[0].nbytes)
+            hot.put(k, snaps)
+        elif op == "get":
+            hot.get(k)
+        else:
+            was_there = k in hot
+            with hot.pinned([k]):
+                hot.put(bytes([key + 100]) * 16, kv_snapshots(n))
+                assert (k in hot) == was_there  # a pinned entry is never evicted
+        assert hot.nbytes == sum(e.nbytes for e in hot.entries.values())
+        if not any(e.pins for e in hot.entries.values()):
+            assert hot.nbytes <= budget + largest
+
+
+def test_pinned_entries_survive_eviction():
+    hot = HotTier(10**9)
+    hot.put(b"a" * 16, kv_snapshots(4))
+    hot.budget = 1
+    with hot.pinned([b"a" * 16]):
+        evicted = hot.put(b"b" * 16, kv_snapshots(4))
+        assert b"a" * 16 in hot and [e.key for e in evicted] == [b"b" * 16]
+    assert [e.key for e in hot.evict()] == [b"a" * 16]
+
+
+def test_least_valuable_leaves_first():
+    hot = HotTier(10**9)
+    hot.put(b"cheap" + b"." * 11, kv_snapshots(8), prefill_seconds=0.001)
+    hot.put(b"dear." + b"." * 11, kv_snapshots(8), prefill_seconds=1.0)
+    hot.budget = hot.entries[b"dear." + b"." * 11].nbytes
+    assert [e.key for e in hot.evict()] == [b"cheap" + b"." * 11]
+
+
+def _fill(store, model, tokens, points):
+    space = store.namespace(model, model_id="m")
+    hit = space.fetch(tokens)
+    pos = hit.length
+    for p in points:
+        forward(model, hit.cache, tokens[pos:p])
+        space.insert(tokens[:p], hit.cache)
+        pos = p
+    return space
+
+
+def _files(path):
+    return [p for p in (path / "cold" / "files").rglob("*.safetensors") if ".tmp-" not in p.name]
+
+
+@pytest.mark.parametrize("durability,on_disk_before_close", [("sync", True), ("write_through", True), ("write_back", False)])
+def test_durability_settings(tmp_path, model_of, durability, on_disk_before_close):
+    model = model_of("llama")
+    store = PromptStore.open(tmp_path, durability=durability)
+    _fill(store, model, prompt_tokens(60), [20, 40, 59])
+    if durability == "write_through":
+        store.flush()
+    assert (len(_files(tmp_path)) == 3) == on_disk_before_close
+    store.close()
+    assert len(_files(tmp_path)) == 3  # after a clean close, everything is on disk
+
+
+def test_store_files_are_private(tmp_path, model_of):
+    root = tmp_path / "store"
+    with PromptStore.open(root, durability="sync") as store:
+        _fill(store, model_of("llama"), prompt_tokens(30), [29])
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in _files(root))
+
+
+def test_disk_budget_evicts_leaves_entry_first(tmp_path, model_of):
+    model = model_of("llama")
+    tokens = prompt_tokens(90)
+    with PromptStore.open(tmp_path, durability="sync") as store:
+        space = _fill(store, model, tokens, [30, 60, 89])
+        sizes = [n.record.nbytes for n in store.index.iter_nodes(space.namespace)]
+        budget = sum(sizes) - 1  # one node must go
+        removed, freed = store.tiers.evict_cold(budget)
+        assert removed == 1 and store.tiers.cold_bytes() <= budget
+        # The leaf went (its prefix still hits); the index and the files agree.
+        assert space.fetch(tokens).length == 60
+        assert len(_files(tmp_path)) == 2
+        removed, _ = store.tiers.evict_cold(0)
+        assert removed == 2 and _files(tmp_path) == []
+
+
+def test_a_disk_that_refuses_writes_keeps_the_store_working(tmp_path, model_of, monkeypatch):
+    model = model_of("llama")
+    tokens = prompt_tokens(70)
+    with PromptStore.open(tmp_path, durability="sync") as store:
+        _fill(store, model, tokens, [30])
+        before = sorted(p.read_bytes() for p in _files(tmp_path))
+
+        def full(*args, **kwargs):
+            raise DiskWriteError("No space left on device")
+
+        monkeypatch.setattr(store.tiers.cold, "write", full)
+        space = _fill(store, model, tokens, [50, 69])  # inserts still work, from memory
+        assert store.tiers.counts["miss_disk"] >= 2 and any(r.reason == "disk" for r in store.tiers.reports)
+        hit = space.fetch(tokens)
+        assert hit.length == 69
+        want = forward(model, fresh_cache(model), tokens)
+        got = forward(model, hit.cache, tokens[69:])
+        assert mx.abs(want - got).max().item() < 1e-4
+        monkeypatch.undo()
+    # Nothing that was stored was damaged; the refused nodes were written at close.
+    after = [p.read_bytes() for p in _files(tmp_path)]
+    assert all(b in after for b in before) and len(after) == 3
+    with PromptStore.open(tmp_path, hot_bytes=0) as store:
+        assert store.namespace(model, model_id="m").fetch(tokens).length == 69

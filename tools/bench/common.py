@@ -1,0 +1,192 @@
+"""Shared helpers for promptstore's benchmarks: timing, BLAS detection, JSON output.
+
+Import from a script in tools/bench/ with `from common import ...` (the script's
+directory is on sys.path when it is run as a file).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata as _md
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Where `make openblas` (Debian/Ubuntu: libopenblas0-pthread) puts it.
+OPENBLAS_HINT = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+
+
+def sync(result: Any = None) -> None:
+    """Evaluate `result` (any tree of arrays) and wait for every stream."""
+    if result is not None:
+        mx.eval(result)
+    mx.synchronize()
+
+
+def minor_faults() -> int:
+    """Minor page faults so far (first touches of fresh memory); 0 where unknown."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
+
+
+def cache_limit() -> int:
+    """MLX's buffer-cache limit in bytes (freed buffers above it go back to the OS)."""
+    old = mx.set_cache_limit(0)
+    mx.set_cache_limit(old)
+    return int(old)
+
+
+def summarize(samples: list[float], faults: list[int] | None = None) -> dict:
+    s = np.asarray(samples, dtype=float)
+    extra = {"minor_faults_median": float(np.median(faults))} if faults else {}
+    return {
+        "median_s": float(np.median(s)),
+        "p95_s": float(np.percentile(s, 95)),
+        "min_s": float(s.min()),
+        "max_s": float(s.max()),
+        "mean_s": float(s.mean()),
+        "runs": int(s.size),
+        "samples_s": [float(x) for x in s],
+        **extra,
+    }
+
+
+def timed(
+    fn: Callable[..., Any],
+    *,
+    runs: int,
+    warmup: int = 2,
+    setup: Callable[[], Any] | None = None,
+) -> dict:
+    """Time `fn` `runs` times after `warmup` untimed calls.
+
+    setup: called before each call, untimed; its result is passed to `fn`
+    (evaluate any arrays it makes inside it).
+    Whatever `fn` returns is evaluated inside the timed region (then
+    mx.synchronize), so lazy work is counted; it is freed outside it. MLX's
+    buffer cache is emptied first. Returns summarize()'s dict, with the
+    median of minor page faults per timed call.
+    """
+    samples, faults = [], []
+    # Start from an empty buffer cache: whether an output reuses a cached buffer
+    # or faults fresh pages in must not depend on what ran before.
+    mx.clear_cache()
+    for i in range(warmup + runs):
+        arg = (setup(),) if setup is not None else ()
+        mx.synchronize()
+        f0 = minor_faults()
+        t0 = time.perf_counter()
+        out = fn(*arg)
+        sync(out)
+        dt = time.perf_counter() - t0
+        del out  # freeing the result is not timed
+        if i >= warmup:
+            samples.append(dt)
+            faults.append(minor_faults() - f0)
+    return summarize(samples, faults)
+
+
+def _provider(symbol: str) -> str | None:
+    """The file the process-wide lookup of `symbol` resolves to (what an LD_PRELOAD
+    interposes on), or None when no globally visible library exports it."""
+    import ctypes
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p),
+                    ("sname", ctypes.c_char_p), ("saddr", ctypes.c_void_p)]
+
+    try:
+        libc = ctypes.CDLL(None)
+        addr = ctypes.cast(getattr(libc, symbol), ctypes.c_void_p)
+    except (AttributeError, OSError):
+        return None
+    info = DlInfo()
+    return os.fsdecode(info.fname) if libc.dladdr(addr, ctypes.byref(info)) and info.fname else None
+
+
+def blas_info() -> dict:
+    """Which BLAS MLX's float32 matmuls use (Linux: /proc/self/maps).
+
+    OpenBLAS counts when a libopenblas is mapped; numpy's bundled
+    scipy_openblas does not (it exports only prefixed symbols MLX never calls).
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            libs = sorted({ln.split()[-1] for ln in f if "blas" in ln.lower() and "/" in ln})
+    except OSError:  # no procfs (macOS): MLX uses Accelerate there
+        return {"openblas": None, "name": f"not checked ({platform.system()})", "libraries": []}
+    usable = [p for p in libs if "openblas" in p.lower() and "scipy_openblas" not in p.lower()]
+    bundled = [p for p in libs if "mlx" in p.lower()]
+    name = "OpenBLAS" if usable else ("MLX's bundled reference BLAS" if bundled else "none mapped")
+    return {
+        "openblas": bool(usable),
+        "name": name,
+        "libraries": libs,
+        "cblas_sgemm_from": _provider("cblas_sgemm"),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+    }
+
+
+def blas_warning(info: dict) -> str | None:
+    """A loud warning when float32 matmuls run on a slow reference BLAS (Linux)."""
+    if info["openblas"] is not False:
+        return None
+    bar = "!" * 78
+    return (
+        f"{bar}\n"
+        f"!! WARNING: OpenBLAS is NOT loaded ({info['name']}).\n"
+        "!! float32 matmuls run on a slow reference BLAS: prefill baselines are UNFAIR\n"
+        "!! (far too slow, flattering any cache). Rerun with\n"
+        f"!!   LD_PRELOAD={OPENBLAS_HINT} ...   (install: `make openblas`)\n"
+        f"{bar}"
+    )
+
+
+def machine_info() -> dict:
+    def version(pkg: str) -> str | None:
+        try:
+            return _md.version(pkg)
+        except _md.PackageNotFoundError:
+            return None
+
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": version("mlx-lm"),
+        "mlx_device": str(mx.default_device()),
+        "mlx_cache_limit_bytes": cache_limit(),
+    }
+
+
+def write_results(path: str | Path, payload: dict, blas: dict) -> Path:
+    """Write `payload` as JSON with the date, machine and BLAS added; relative
+    paths are taken from the repository root."""
+    out = Path(path)
+    if not out.is_absolute():
+        out = REPO_ROOT / out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "blas": blas,
+        **payload,
+    }
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return out
