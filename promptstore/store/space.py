@@ -40,6 +40,7 @@ class Hit:
     checkpoints: tuple[int, ...] = ()
     nodes: int = 0
     cold_nodes: int = 0
+    cold_tokens: int = 0
     seconds: float = 0.0
 
 
@@ -103,6 +104,7 @@ class Space:
         self.store, self.model, self.namespace = store, model, namespace
         self.cache_kwargs = cache_kwargs
         self.index, self.tiers = store.index, store.tiers
+        self.last_hit: Optional[Hit] = None
 
     @classmethod
     def bind(cls, store, model, model_id=None, salt=None, kv_bits=None, kv_group_size=64, max_kv_size=None) -> "Space":
@@ -130,19 +132,24 @@ class Space:
         cache = self.new_cache()
         if len(toks) < 2:
             self.index.bump(self.namespace, misses=1)
-            return Hit(0, cache, self._grid(0, len(toks)), seconds=time.perf_counter() - start)
+            self.last_hit = Hit(0, cache, self._grid(0, len(toks)), seconds=time.perf_counter() - start)
+            return self.last_hit
         match = self.index.lookup(self.namespace, toks[:-1])
         path = list(match.path[: match.restorable_depth + 1])
         target = match.restorable
         restored = self._restore(cache, path, target)
-        length, used, cold = restored if restored else (0, 0, 0)
+        length, used, cold = restored if restored else (0, 0, ())
+        cold_tokens = sum(min(n.end, length) - n.start for n in cold if n.start < length)
         if length:
             self.index.touch(n.key for n in path[:used])
             self.index.bump(self.namespace, hits=1, tokens_served=length)
         else:
             self.index.bump(self.namespace, misses=1)
         checkpoints = tuple(sorted({p for p in match.checkpoints if p > length} | set(self._grid(length, len(toks) - 1))))
-        return Hit(length, cache, checkpoints, used, cold, time.perf_counter() - start)
+        hit = Hit(length, cache, checkpoints, used, len([n for n in cold if n.start < length]), cold_tokens,
+                  time.perf_counter() - start)
+        self.last_hit = hit
+        return hit
 
     def _grid(self, start: int, end: int) -> tuple[int, ...]:
         if self.namespace.whole_mask == 0:
@@ -152,13 +159,14 @@ class Space:
 
     def _restore(self, cache, path: list[Node], target: int):
         """Restore `cache` to the deepest position <= target every layer reaches."""
-        snaps, cold = [], 0
+        snaps, cold = [], []
         for node in path:
             before = self.tiers.counts["cold_loads"]
             got = self.tiers.get(node)
             if got is None:
                 break
-            cold += self.tiers.counts["cold_loads"] > before
+            if self.tiers.counts["cold_loads"] > before:
+                cold.append(node)
             snaps.append(got)
         path = path[: len(snaps)]
         while path:

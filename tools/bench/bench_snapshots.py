@@ -10,6 +10,8 @@ everything evaluated inside the timed region:
   split           split_prompt_snapshots(whole-prefix snapshots, tokens // 2)
   merge           the four quarter snapshots folded with merge_prompt_snapshots
   merge+restore   that merge, then restore_prompt_cache into fresh caches
+  merge chain     merge_prompt_chain: the four quarters in one concatenation per array
+  chain+restore   that one-copy merge, then restore_prompt_cache
   restore 1       restore_prompt_cache from the whole-prefix snapshots
   chain restore   restore_prompt_cache from the four quarters as a chain (per layer)
   floor           one mx.concatenate of the four quarters per array: the cost of
@@ -44,6 +46,7 @@ from common import blas_info, blas_warning, cache_limit, sync, timed, write_resu
 
 from promptstore.caches import (
     make_prompt_cache,
+    merge_prompt_chain,
     merge_prompt_snapshots,
     restore_prompt_cache,
     snapshot_prompt_cache,
@@ -163,6 +166,11 @@ def copy_benchmarks(model, args) -> tuple[dict, dict]:
         assert restore_prompt_cache(c, m, tokens)
         return arrays(m) + buffers(c)
 
+    def chain_merge_restore(c):
+        m = merge_prompt_chain(spans)
+        assert restore_prompt_cache(c, m, tokens)
+        return arrays(m) + buffers(c)
+
     def restore(snaps):
         def run(c):
             assert restore_prompt_cache(c, snaps, tokens)
@@ -182,6 +190,8 @@ def copy_benchmarks(model, args) -> tuple[dict, dict]:
         "split": {"fn": split},
         "merge": {"fn": lambda: arrays(fold(spans))},
         "merge_restore": {"fn": merge_restore, "setup": fresh},
+        "merge_chain": {"fn": lambda: arrays(merge_prompt_chain(spans))},
+        "merge_chain_restore": {"fn": chain_merge_restore, "setup": fresh},
         "restore_one": {"fn": restore(full), "setup": fresh},
         "chain_restore": {"fn": restore(chains), "setup": fresh},
         "floor": {"fn": floor},
@@ -249,6 +259,8 @@ def print_table(copies: dict, prefill: dict | None, shape: dict, args, fair: boo
         "split": f"split at {args.tokens // 2}",
         "merge": f"merge {SPANS} spans (left fold)",
         "merge_restore": f"merge {SPANS} + restore",
+        "merge_chain": f"merge chain of {SPANS} (one copy)",
+        "merge_chain_restore": f"merge chain of {SPANS} + restore",
         "restore_one": "restore from 1 snapshot",
         "chain_restore": f"chain restore ({SPANS} spans)",
         "floor": "floor: 1 concatenate",
@@ -264,7 +276,7 @@ def print_table(copies: dict, prefill: dict | None, shape: dict, args, fair: boo
               f"{r.get('minor_faults_median', 0):7.0f}")
     print("(GB/s: state bytes / median; faults: median minor page faults per run, "
           f"{shape['state_bytes'] // 4096} = the state's size in 4 KiB pages)")
-    ratios = {f"{k}/floor": copies[k]["x_floor"] for k in ("snapshot", "split", "merge_restore", "chain_restore")}
+    ratios = {f"{k}/floor": copies[k]["x_floor"] for k in ("snapshot", "split", "merge_restore", "merge_chain_restore", "chain_restore")}
     if prefill:
         print(f"\n{'prefill (forward of the prefix)':<38} {'median s':>9} {'p95 s':>8} {'tok/s':>8} {'runs':>5}")
         best = None

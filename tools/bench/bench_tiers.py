@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import blas_info, sync, timed, write_results  # noqa: E402
+from common import blas_info, summarize, sync, timed, write_results  # noqa: E402
 
 from promptstore.caches import make_prompt_cache, snapshot_prompt_cache, to_flat  # noqa: E402
 from promptstore.snapshots.cold import ColdTier, checksum  # noqa: E402
@@ -50,6 +50,21 @@ def snapshots(tokens: int, layers: int):
     snaps = snapshot_prompt_cache(caches, 0)
     sync([a for s in snaps for a in s.all_arrays()])
     return snaps
+
+
+def paired(a, b, runs: int, warmup: int = 3) -> tuple[dict, dict]:
+    """Time `a` and `b` alternately, so both see the same machine noise."""
+    samples = {a: [], b: []}
+    mx.clear_cache()
+    for i in range(warmup + runs):
+        for fn in (a, b) if i % 2 else (b, a):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            sync(fn())
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                samples[fn].append(dt)
+    return summarize(samples[a]), summarize(samples[b])
 
 
 def fsync_path(path: str) -> None:
@@ -106,12 +121,14 @@ def main(argv=None) -> int:
             for a in loaded.values():
                 checksum(a)
 
+        load, plain_load = paired(cold_load, mx_load, args.runs)
+        write, plain_write = paired(cold_write, save_plain_fsync, args.runs)
         rows = {
-            "cold write (promptstore)": timed(cold_write, runs=args.runs),
+            "cold write (promptstore)": write,
+            "mx.save_safetensors + fsync": plain_write,
             "mx.save_safetensors": timed(save_plain, runs=args.runs),
-            "mx.save_safetensors + fsync": timed(save_plain_fsync, runs=args.runs),
-            "cold load + verify (promptstore)": timed(cold_load, runs=args.runs),
-            "mx.load": timed(mx_load, runs=args.runs),
+            "cold load + verify (promptstore)": load,
+            "mx.load": plain_load,
             "checksums alone": timed(checksums, runs=args.runs),
         }
     finally:
