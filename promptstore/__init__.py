@@ -1,8 +1,21 @@
-"""promptstore: a persistent prompt-cache store for MLX language models."""
+"""promptstore: a persistent prompt-cache store for MLX language models.
 
-from .config import Settings
-from .generate import generate, stream_generate
-from .store import Hit, PromptStore, Space
+The public names load lazily, so `import promptstore.index` (which uses no
+MLX) does not pull MLX in.
+"""
 
 __version__ = "0.1.0"
 __all__ = ["Hit", "PromptStore", "Settings", "Space", "generate", "stream_generate"]
+
+_HOMES = {
+    "Hit": "store", "PromptStore": "store", "Space": "store", "Settings": "config",
+    "generate": "generation", "stream_generate": "generation",
+}
+
+
+def __getattr__(name):
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    raise AttributeError(f"module 'promptstore' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The `promptstore` command: demo, generate, stats (compact comes with its tool)."""
+"""The `promptstore` command: demo, generate, stats, compact."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _demo_phase(args) -> int:
 def _generate(args) -> int:
     from mlx_lm import load
 
-    from .generate import stream_generate
+    from .generation import stream_generate
     from .store import PromptStore
 
     model, tokenizer = load(args.model)
@@ -85,9 +85,16 @@ def main(argv=None) -> int:
     gen.add_argument("--model-id", help="identity to key the cache by (default: the model path)")
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.set_defaults(func=_generate)
+    compact = sub.add_parser("compact", help="keep a store within budget, repair and verify it", add_help=False)
+    compact.set_defaults(func=None)
     stats = sub.add_parser("stats", help="namespaces, nodes, tokens, bytes and hit rates of a store")
     stats.add_argument("--store")
     stats.set_defaults(func=_stats)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compact"]:
+        from .compact_cli import run
+
+        return run(argv[1:])
     args = parser.parse_args(argv)
     return args.func(args)
 

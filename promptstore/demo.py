@@ -108,7 +108,7 @@ def serve(model, tokenizer, space, rounds, progress: Optional[Progress] = None, 
     from mlx_lm.generate import stream_generate as mlx_stream
 
     from .caches import make_prompt_cache
-    from .generate import stream_generate
+    from .generation import stream_generate
 
     outcomes: list[Outcome] = []
     replies: dict[str, str] = {}

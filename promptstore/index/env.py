@@ -28,6 +28,7 @@ _MAX_GROWTHS = 48  # doublings; far past any disk
 _RESIZE_WAIT_S = 60.0
 
 T = TypeVar("T")
+C = TypeVar("C")
 
 
 @dataclass(frozen=True)
@@ -136,16 +137,30 @@ class Environment:
             txn.abort()
             self._gate.leave()
 
-    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        """Run `fn` in one write transaction, growing the map and retrying when it is full."""
+    def write(
+        self,
+        apply: Callable[[lmdb.Transaction, C], T],
+        check: Callable[[lmdb.Transaction], C] | None = None,
+    ) -> T:
+        """Run `check(txn)`, then `apply(txn, checked)`, in one write transaction.
+
+        check reads and may refuse with an IndexStoreError before anything is written;
+        the empty transaction is then committed, not aborted, because py-lmdb's abort
+        can stall for seconds behind reader threads. The map grows when it fills.
+        """
         if self.readonly:
             raise ReadOnlyIndexError(f"index at {self.path} was opened read-only")
         for _ in range(_MAX_GROWTHS):
             txn = self._begin(write=True)
             try:
-                result = fn(txn)
+                try:
+                    checked = check(txn) if check is not None else None
+                except IndexStoreError:
+                    txn.commit()
+                    raise
+                result = apply(txn, checked)
                 txn.commit()
-                return result
+                break
             except lmdb.MapFullError:
                 pass
             except lmdb.Error as e:
@@ -154,9 +169,16 @@ class Environment:
                 txn.abort()  # no-op after commit
                 self._gate.leave()
             self._resize(self.map_size * 2)
-        raise IndexStoreError(
-            f"LMDB map at {self.path} cannot grow enough for one transaction"
-        )
+        else:
+            raise IndexStoreError(f"LMDB map at {self.path} cannot grow enough")
+        self._grow_early()
+        return result
+
+    def _grow_early(self) -> None:
+        # Growing before the map is full keeps MapFullError, and the abort it forces, rare.
+        info = self.env.info()
+        if (info["last_pgno"] + 1) * self.env.stat()["psize"] > 0.75 * info["map_size"]:
+            self._resize(info["map_size"] * 2)
 
     @property
     def map_size(self) -> int:

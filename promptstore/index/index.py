@@ -24,7 +24,7 @@ from promptstore.errors import (
 
 from . import access, counters, env, keys, trie
 from .namespace import Namespace, NamespaceSpec
-from .records import Node, NodeRecord
+from .records import Node, NodeRecord, check_layout
 from .trie import InsertPlan, InsertResult, Match, SplitRecords
 
 # A pair of records for a split, or a function of the plan that makes them (bulk inserts).
@@ -79,19 +79,26 @@ class Index:
         """Store `spec` (idempotent) and return its Namespace."""
         ns = Namespace.of(spec)
 
-        def put(txn) -> None:
+        def needs_put(txn) -> bool:
             stored = txn.get(ns.key, db=self._dbs.namespaces)
             if stored is not None:
-                return _same_spec(ns, bytes(stored))  # another process got there first
+                _same_spec(ns, bytes(stored))  # another process got there first
+                return False
             if txn.get(ns.key, db=self._dbs.nodes) is not None:
                 raise KeyCollisionError(
                     f"namespace fingerprint {ns.hex} is a node's key"
                 )
-            txn.put(ns.key, spec.model_dump_json().encode(), db=self._dbs.namespaces)
+            return True
+
+        def put(txn, needed: bool) -> None:
+            if needed:
+                txn.put(
+                    ns.key, spec.model_dump_json().encode(), db=self._dbs.namespaces
+                )
 
         stored = self._stored_spec(ns.key)
         if stored is None:
-            self._write(put)
+            self._write(put, needs_put)
         else:
             _same_spec(ns, stored)
         self._namespaces[ns.key] = ns
@@ -202,7 +209,8 @@ class Index:
                 f"key {plan.collision.hex()} is taken by another prefix; insert refused"
             )
         return self._write(
-            lambda txn: self._apply(txn, plan, new_record, split_records)
+            lambda txn, checked: trie.apply(txn, self._dbs, checked),
+            lambda txn: trie.check(txn, self._dbs, plan, new_record, split_records),
         )
 
     def insert(
@@ -232,49 +240,60 @@ class Index:
         """Insert (tokens, record) pairs in one write txn: all or none. Keep batches modest."""
         prepared = [(keys.as_tokens(tokens), record) for tokens, record in items]
 
-        def apply_all(txn) -> list[InsertResult]:
-            plans = []
+        def apply_all(txn, _) -> list[InsertResult]:
+            results = []
             for tokens, record in prepared:
-                plans.append(
-                    self._apply(
-                        txn,
-                        trie.plan(txn, self._dbs, ns, tokens),
-                        record,
-                        split_records,
-                    )
-                )
-            return plans
+                current = trie.plan(txn, self._dbs, ns, tokens)
+                checked = trie.vet(txn, self._dbs, current, record, split_records)
+                results.append(trie.apply(txn, self._dbs, checked))
+            return results
 
         return self._write(apply_all)
 
-    def _apply(
-        self, txn, plan: InsertPlan, new_record, split_records: SplitRecordsArg
-    ) -> InsertResult:
-        if txn.get(plan.namespace.key, db=self._dbs.namespaces) is None:
-            raise UnknownNamespaceError(
-                f"namespace {plan.namespace.hex} is not registered"
-            )
-        if callable(split_records):
-            split_records = split_records(plan) if plan.split is not None else None
-        return trie.apply(txn, self._dbs, plan, new_record, split_records)
-
     # --- changing nodes ---------------------------------------------------
 
-    def update_record(self, key: bytes, record: NodeRecord) -> Node:
-        """Replace a node's record (tier moves, a checkpoint filling a whole-state layer)."""
+    def update_record(self, key: bytes, record: NodeRecord, expect=None) -> Node:
+        """Replace a node's record (tier moves, a checkpoint filling a whole-state layer).
 
-        def replace(txn) -> Node:
+        expect: a test of the node as stored now; when it fails, StaleInsertError
+        and nothing changes (a record read earlier may be out of date).
+        """
+
+        def fits(txn) -> Node:
             node = trie.read_node(txn, self._dbs, key)
             if node is None:
                 raise NodeNotFoundError(f"no node {key.hex()}")
-            ns = self._namespace_in(txn, node.namespace)
-            return trie.replace_record(txn, self._dbs, ns, node, record)
+            if expect is not None and not expect(node):
+                raise StaleInsertError(f"node {key.hex()} changed since it was read")
+            check_layout(self._namespace_in(txn, node.namespace), record)
+            return node
 
-        return self._write(replace)
+        return self._write(
+            lambda txn, node: trie.replace_record(txn, self._dbs, node, record), fits
+        )
 
     def remove(self, ns: Namespace, key: bytes) -> Node:
         """Remove a leaf of `ns`; NodeHasChildrenError if it is not one."""
-        return self._write(lambda txn: trie.remove_leaf(txn, self._dbs, ns, key))
+        return self._write(
+            lambda txn, node: trie.remove_leaf(txn, self._dbs, node),
+            lambda txn: trie.removable_leaf(txn, self._dbs, ns, key),
+        )
+
+    def join_child(self, ns: Namespace, key: bytes, record: NodeRecord) -> Node:
+        """Merge node `key` with its only child into one node holding `record`
+        (NodeHasChildrenError if `key` is a branch point or a leaf)."""
+
+        def fits(txn):
+            pair = trie.joinable(txn, self._dbs, ns, key)
+            check_layout(ns, record)
+            return pair
+
+        return self._write(lambda txn, pair: trie.join_child(txn, self._dbs, pair, record), fits)
+
+    def compact_copy(self, dest: str | os.PathLike) -> None:
+        """Write a compacting copy of the environment into the new directory `dest`."""
+        os.makedirs(dest, mode=0o700)
+        self._env.env.copy(os.fspath(dest), compact=True)
 
     # --- access order and counters ----------------------------------------
 
@@ -282,7 +301,7 @@ class Index:
         """Move nodes to the newest end of the access order, in the order given."""
         node_keys = list(node_keys)
 
-        def stamp_all(txn) -> int:
+        def stamp_all(txn, _) -> int:
             present = [
                 k for k in node_keys if txn.get(k, db=self._dbs.nodes) is not None
             ]
@@ -309,7 +328,7 @@ class Index:
     def bump(self, ns: Namespace, **deltas: int) -> None:
         """Add to counters of `ns`: hits, misses, tokens_served (and the maintained totals)."""
         counters.check_names(deltas)
-        self._write(lambda txn: counters.add(txn, self._dbs, ns.key, deltas))
+        self._write(lambda txn, _: counters.add(txn, self._dbs, ns.key, deltas))
 
     def counters(self, ns: Namespace) -> dict[str, int]:
         with self._read() as txn:
@@ -346,12 +365,12 @@ class Index:
             raise IndexStoreError(f"index at {self.path} is closed")
         return self._env.read()
 
-    def _write(self, fn):
+    def _write(self, apply, check=None):
         if self._closed:
             raise IndexStoreError(f"index at {self.path} is closed")
         if self.readonly:
             raise ReadOnlyIndexError(f"index at {self.path} was opened read-only")
-        return self._env.write(fn)
+        return self._env.write(apply, check)
 
     def _stored_spec(self, key: bytes) -> bytes | None:
         with self._read() as txn:

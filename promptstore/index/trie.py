@@ -21,6 +21,7 @@ from promptstore.errors import (
     NodeNotFoundError,
     RecordLayoutError,
     StaleInsertError,
+    UnknownNamespaceError,
 )
 
 from . import access, counters, keys
@@ -264,7 +265,8 @@ def plan(
     match = walk(txn, dbs, ns, tokens)
     if match.corrupt:
         raise CorruptRecordError(
-            f"cannot insert through corrupt node {match.corrupt[0].hex()}; remove or repair it first"
+            f"cannot insert through corrupt node {match.corrupt[0].hex()}; "
+            "remove or repair it first"
         )
     m, n = match.matched, len(tokens)
     hasher = keys.prefix_hasher(ns.key)
@@ -301,170 +303,179 @@ def _collision(
     return None
 
 
-def apply(
-    txn: lmdb.Transaction,
-    dbs: Dbs,
-    stale: InsertPlan,
-    new_record: NodeRecord | None,
-    split_records: SplitRecords | None,
-) -> InsertResult:
-    """Apply a plan after proving, inside this write txn, that it is still current."""
+@dataclass(frozen=True)
+class CheckedInsert:
+    """A plan proven current inside a write txn, with the records it needs."""
+
+    plan: InsertPlan
+    new_record: NodeRecord | None
+    split_records: SplitRecords | None
+
+
+def check(txn, dbs: Dbs, stale: InsertPlan, new_record, split_records) -> CheckedInsert:
+    """Re-plan inside the write txn; refuse, before writing, a stale or unfit insert.
+
+    split_records: a pair, or a function of the current plan that returns one.
+    """
     current = plan(txn, dbs, stale.namespace, stale.tokens)
-    if (current.matched, current.path_keys, current.split) != (
-        stale.matched,
-        stale.path_keys,
-        stale.split,
-    ):
+    if _decisions(current) != _decisions(stale):
         raise StaleInsertError(
-            f"trie changed since plan_insert (matched {stale.matched} -> {current.matched}); plan again"
+            f"trie changed since plan_insert (matched {stale.matched} -> "
+            f"{current.matched}); plan again"
         )
+    return vet(txn, dbs, current, new_record, split_records)
+
+
+def vet(txn, dbs: Dbs, current: InsertPlan, new_record, split_records) -> CheckedInsert:
+    """Refuse, before writing, colliding keys, an unknown namespace or unfit records."""
+    ns = current.namespace
     if current.collision is not None:
         raise KeyCollisionError(
             f"key {current.collision.hex()} is taken by another prefix; insert refused"
         )
+    if txn.get(ns.key, db=dbs.namespaces) is None:
+        raise UnknownNamespaceError(f"namespace {ns.hex} is not registered")
+    if callable(split_records):
+        split_records = split_records(current) if current.split else None
+    _check_records(current, new_record, split_records)
+    return CheckedInsert(current, new_record, split_records)
+
+
+def _decisions(p: InsertPlan) -> tuple:
+    return p.matched, p.path_keys, p.split
+
+
+def _check_records(p: InsertPlan, new_record, split_records) -> None:
+    if p.split is not None:
+        if split_records is None:
+            raise RecordLayoutError(
+                f"insert splits node {p.split.key.hex()} at {p.split.at}; "
+                "split_records=(upper, lower) required"
+            )
+        for record in split_records:
+            check_layout(p.namespace, record)
+    if p.leaf_key is not None:
+        if new_record is None:
+            raise RecordLayoutError(f"insert stores {p.span}; new_record required")
+        check_layout(p.namespace, new_record)
+
+
+def apply(txn: lmdb.Transaction, dbs: Dbs, checked: CheckedInsert) -> InsertResult:
+    """Write a checked insert: the split, if any, then the new leaf."""
+    p = checked.plan
     created: list[bytes] = []
-    if current.split is not None:
-        _split(txn, dbs, current, split_records)
-        created.append(current.split.upper_key)
-    if current.leaf_key is not None:
-        _add_leaf(txn, dbs, current, new_record)
-        created.append(current.leaf_key)
-    end_key = current.leaf_key or (
-        current.split.upper_key if current.split else current.path_keys[-1]
-    )
-    m, n = current.span
-    return InsertResult(
-        end_key,
-        tuple(created),
-        current.split.upper_key if current.split else None,
-        n - m,
-    )
+    if p.split is not None:
+        _split(txn, dbs, p, *checked.split_records)
+        created.append(p.split.upper_key)
+    if p.leaf_key is not None:
+        _add_leaf(txn, dbs, p, checked.new_record)
+        created.append(p.leaf_key)
+    split_key = p.split.upper_key if p.split else None
+    end_key = p.leaf_key or split_key or p.path_keys[-1]
+    m, n = p.span
+    return InsertResult(end_key, tuple(created), split_key, n - m)
 
 
-def _split(txn, dbs, plan_: InsertPlan, split_records: SplitRecords | None) -> None:
-    ns, split = plan_.namespace, plan_.split
-    if split_records is None:
-        raise RecordLayoutError(
-            f"insert splits node {split.key.hex()} at {split.at}; split_records=(upper, lower) required"
-        )
-    upper_record, lower_record = split_records
-    check_layout(ns, upper_record)
-    check_layout(ns, lower_record)
-    lower = plan_.match.path[-1]
+def _split(txn, dbs, p: InsertPlan, upper: NodeRecord, lower: NodeRecord) -> None:
+    """[start, end) becomes a new node [start, at) and the old one, re-parented, [at, end)."""
+    ns_key, split, old = p.namespace.key, p.split, p.match.path[-1]
     cut = 4 * (split.at - split.start)
-    upper_edge, lower_edge = lower.edge[:cut], lower.edge[cut:]
+    upper_span, lower_span = (split.start, split.at), (split.at, split.end)
     _put_node(
-        txn,
-        dbs,
-        split.upper_key,
-        ns.key,
-        lower.parent,
-        split.start,
-        split.at,
-        upper_record,
-        upper_edge,
+        txn, dbs, split.upper_key, ns_key, old.parent, upper_span, upper, old.edge[:cut]
     )
     _put_node(
-        txn,
-        dbs,
-        lower.key,
-        ns.key,
-        split.upper_key,
-        split.at,
-        split.end,
-        lower_record,
-        lower_edge,
+        txn, dbs, old.key, ns_key, split.upper_key, lower_span, lower, old.edge[cut:]
     )
     access.stamp(txn, dbs, split.upper_key)
-    deltas = {
-        "nodes": 1,
-        "nbytes": upper_record.nbytes + lower_record.nbytes - lower.nbytes,
-    }
-    counters.add(txn, dbs, ns.key, deltas)
+    nbytes = upper.nbytes + lower.nbytes - old.nbytes
+    counters.add(txn, dbs, ns_key, {"nodes": 1, "nbytes": nbytes})
 
 
-def _add_leaf(txn, dbs, plan_: InsertPlan, record: NodeRecord | None) -> None:
-    ns = plan_.namespace
-    if record is None:
-        raise RecordLayoutError(
-            f"insert stores [{plan_.span[0]}, {plan_.span[1]}); new_record required"
-        )
-    check_layout(ns, record)
-    m, n = plan_.span
-    _put_node(
-        txn,
-        dbs,
-        plan_.leaf_key,
-        ns.key,
-        plan_.parent,
-        m,
-        n,
-        record,
-        plan_.tokens[m:].tobytes(),
-    )
-    access.stamp(txn, dbs, plan_.leaf_key)
-    counters.add(
-        txn, dbs, ns.key, {"nodes": 1, "nbytes": record.nbytes, "tokens_stored": n - m}
-    )
+def _add_leaf(txn, dbs, p: InsertPlan, record: NodeRecord) -> None:
+    ns_key, (m, n) = p.namespace.key, p.span
+    edge = p.tokens[m:].tobytes()
+    _put_node(txn, dbs, p.leaf_key, ns_key, p.parent, (m, n), record, edge)
+    access.stamp(txn, dbs, p.leaf_key)
+    deltas = {"nodes": 1, "nbytes": record.nbytes, "tokens_stored": n - m}
+    counters.add(txn, dbs, ns_key, deltas)
 
 
-def _put_node(
-    txn,
-    dbs,
-    key: bytes,
-    ns_key: bytes,
-    parent: bytes,
-    start: int,
-    end: int,
-    record: NodeRecord,
-    edge: bytes,
-) -> None:
+def _put_node(txn, dbs, key, ns_key, parent, span, record, edge: bytes) -> None:
     """Write a node and the children entry that reaches it from its parent."""
+    start, end = span
     txn.put(key, encode_node(ns_key, parent, start, end, record, edge), db=dbs.nodes)
     txn.put(key, edge, db=dbs.edges)
     first = int.from_bytes(edge[:4], "little")
     txn.put(keys.child_key(parent, first), key, db=dbs.children)
 
 
-# --- changing nodes -----------------------------------------------------------
+# --- changing nodes ---------------------------------------------------------
 
 
-def node_in(txn, dbs, ns_key: bytes, key: bytes) -> Node:
+def node_in(txn, dbs: Dbs, ns_key: bytes, key: bytes) -> Node:
     node = read_node(txn, dbs, key)
     if node is None or node.namespace != ns_key:
         raise NodeNotFoundError(f"no node {key.hex()} in namespace {ns_key.hex()}")
     return node
 
 
-def remove_leaf(txn: lmdb.Transaction, dbs: Dbs, ns: Namespace, key: bytes) -> Node:
+def removable_leaf(txn, dbs: Dbs, ns: Namespace, key: bytes) -> Node:
+    """The leaf `key` of `ns`; NodeNotFoundError or NodeHasChildrenError otherwise."""
     node = node_in(txn, dbs, ns.key, key)
     if has_children(txn, dbs, key):
         raise NodeHasChildrenError(
             f"node {key.hex()} [{node.start}, {node.end}) has children"
         )
-    txn.delete(key, db=dbs.nodes)
-    txn.delete(key, db=dbs.edges)
-    entry = keys.child_key(node.parent, int(node.tokens[0]))
-    if txn.get(entry, db=dbs.children) == key:
-        txn.delete(entry, db=dbs.children)
-    access.forget(txn, dbs, key)
-    deltas = {
-        "nodes": -1,
-        "nbytes": -node.nbytes,
-        "tokens_stored": -(node.end - node.start),
-    }
-    counters.add(txn, dbs, ns.key, deltas)
     return node
 
 
-def replace_record(
-    txn: lmdb.Transaction, dbs: Dbs, ns: Namespace, node: Node, record: NodeRecord
-) -> Node:
-    check_layout(ns, record)
-    txn.put(
-        node.key,
-        encode_node(ns.key, node.parent, node.start, node.end, record, node.edge),
-        db=dbs.nodes,
-    )
-    counters.add(txn, dbs, ns.key, {"nbytes": record.nbytes - node.nbytes})
+def joinable(txn, dbs: Dbs, ns: Namespace, key: bytes) -> tuple[Node, Node]:
+    """(node, its only child): a node that is no branch point; else NodeHasChildrenError."""
+    node = node_in(txn, dbs, ns.key, key)
+    kids = child_keys(txn, dbs, key)
+    if len(kids) != 1:
+        raise NodeHasChildrenError(
+            f"node {key.hex()} has {len(kids)} children; only a run of single children joins"
+        )
+    return node, node_in(txn, dbs, ns.key, kids[0])
+
+
+def join_child(txn, dbs: Dbs, pair: tuple[Node, Node], record: NodeRecord) -> Node:
+    """Replace node and its only child by one node [node.start, child.end).
+
+    The joined node keeps the child's key (a key depends only on its prefix),
+    so the child's own children stay where they are.
+    """
+    node, child = pair
+    txn.delete(node.key, db=dbs.nodes)
+    txn.delete(node.key, db=dbs.edges)
+    txn.delete(keys.child_key(node.key, int(child.tokens[0])), db=dbs.children)
+    access.forget(txn, dbs, node.key)
+    span = (node.start, child.end)
+    _put_node(txn, dbs, child.key, node.namespace, node.parent, span, record, node.edge + child.edge)
+    deltas = {"nodes": -1, "nbytes": record.nbytes - node.nbytes - child.nbytes}
+    counters.add(txn, dbs, node.namespace, deltas)
+    return read_node(txn, dbs, child.key)
+
+
+def remove_leaf(txn: lmdb.Transaction, dbs: Dbs, node: Node) -> Node:
+    txn.delete(node.key, db=dbs.nodes)
+    txn.delete(node.key, db=dbs.edges)
+    entry = keys.child_key(node.parent, int(node.tokens[0]))
+    if txn.get(entry, db=dbs.children) == node.key:
+        txn.delete(entry, db=dbs.children)
+    access.forget(txn, dbs, node.key)
+    size = node.end - node.start
+    deltas = {"nodes": -1, "nbytes": -node.nbytes, "tokens_stored": -size}
+    counters.add(txn, dbs, node.namespace, deltas)
+    return node
+
+
+def replace_record(txn, dbs: Dbs, node: Node, record: NodeRecord) -> Node:
+    """Rewrite a node with a new record (its layout already checked)."""
+    span = (node.start, node.end)
+    value = encode_node(node.namespace, node.parent, *span, record, node.edge)
+    txn.put(node.key, value, db=dbs.nodes)
+    counters.add(txn, dbs, node.namespace, {"nbytes": record.nbytes - node.nbytes})
     return read_node(txn, dbs, node.key)

@@ -97,6 +97,10 @@ def split_for_edge(snapshot: Snapshot, at: int):
     return None, Snapshot(snapshot.kind, at, snapshot.end, True, snapshot.arrays, dict(snapshot.scalars), snapshot.children)
 
 
+class _SplitDataUnavailable(Exception):
+    """The snapshots of a node whose edge an insert must split are not here."""
+
+
 class Space:
     """One namespace of a store, bound to a model."""
 
@@ -203,7 +207,7 @@ class Space:
         position = C.prompt_position(cache)
         if position != len(toks):
             raise CacheError(f"the cache holds {position} positions but {len(toks)} tokens were given")
-        for _ in range(4):
+        for attempt in range(6):
             plan = self.index.plan_insert(self.namespace, toks)
             try:
                 return self._commit(plan, toks, cache, prefill_seconds)
@@ -211,6 +215,11 @@ class Space:
                 continue
             except KeyCollisionError:
                 return 0
+            except _SplitDataUnavailable:
+                # The edge to split belongs to a node another process has not
+                # spilled yet; its file usually lands within moments.
+                time.sleep(0.02 * 2**attempt)
+        self.tiers.report("insert", toks[:8].tobytes(), "gave up: the node to split has no data here")
         return 0
 
     def _commit(self, plan, toks: np.ndarray, cache, prefill_seconds) -> int:
@@ -220,7 +229,7 @@ class Space:
         if plan.split is not None:
             split_records, uppers, lowers = self._split(plan)
             if split_records is None:
-                return 0
+                raise _SplitDataUnavailable()
         new = self._snap_span(cache, start, end) if end > start else None
         fill = self._fill_checkpoint(plan, cache) if end == start and plan.split is None else None
         if new is None and plan.split is None and fill is None:
@@ -233,8 +242,7 @@ class Space:
             self.tiers.put(self.index.get(result.key), new, record.prefill_seconds)
         if fill is not None:
             fill()
-        self.index.bump(self.namespace, tokens_stored=end - start)
-        return end - start
+        return end - start  # the index counts tokens_stored itself
 
     def _snap_span(self, cache, start: int, end: int) -> list[Snapshot]:
         snaps = C.snapshot_prompt_cache(cache, start)

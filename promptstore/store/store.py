@@ -6,8 +6,10 @@ hold snapshots, and a Space (a namespace bound to a model) composes them.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,6 +41,11 @@ class PromptStore:
 
     def __init__(self, path: Path, settings: Settings):
         self.path, self.settings = path, settings
+        # Every open store holds the lock shared; maintenance that needs the
+        # store idle takes it exclusively (tools/compact).
+        self._lock = _lock_file(path)
+        fcntl.flock(self._lock, fcntl.LOCK_SH)
+        self.exclusive = False
         self.index = Index.open(path / "index", map_size=settings.map_size)
         self.tiers = Tiers(path, self.index, settings)
         self.seconds_per_token = _DEFAULT_SECONDS_PER_TOKEN
@@ -77,12 +84,44 @@ class PromptStore:
             self._closed = True
             self.tiers.close()
             self.index.close()
+            self._lock.close()  # releases the flock
+
+    def try_exclusive(self) -> bool:
+        """Hold the store's lock exclusively if no other process has it open."""
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.exclusive = True
+        except BlockingIOError:
+            fcntl.flock(self._lock, fcntl.LOCK_SH)  # a failed conversion may drop the old lock
+            self.exclusive = False
+        return self.exclusive
+
+    @staticmethod
+    @contextmanager
+    def lock(path, exclusive: bool = True, blocking: bool = True):
+        """The store's lock, held for the block; yields whether it was taken."""
+        handle = _lock_file(Path(path))
+        try:
+            flags = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB)
+            try:
+                fcntl.flock(handle, flags)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            handle.close()
 
     def __enter__(self) -> "PromptStore":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _lock_file(root: Path):
+    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    return os.fdopen(fd, "r+")
 
 
 def _prepare(root: Path, mode: int) -> None:

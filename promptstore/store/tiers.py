@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ..caches import Snapshot
 from ..config import Settings
-from ..errors import ColdFileError, CorruptRecordError, NodeHasChildrenError, NodeNotFoundError
+from ..errors import ColdFileError, CorruptRecordError, NodeHasChildrenError, NodeNotFoundError, StaleInsertError
 from ..index import Index, Node
 from ..snapshots import ColdTier, HotTier, SpillJob, Writer
 from ..snapshots.value import value
@@ -37,6 +37,17 @@ class Report:
     key: str
     detail: str
     at: float = field(default_factory=time.time)
+
+
+def unfile(index: Index, node: Node, path: str) -> bool:
+    """Stop the index pointing at `path` for this node, if it still does."""
+    try:
+        record = node.record.model_copy(update={"file": None, "checksum": None, "tier": "hot"})
+        index.update_record(node.key, record, expect=lambda n: (n.start, n.end) == (node.start, node.end)
+                            and n.record.file == path)
+        return True
+    except (NodeNotFoundError, CorruptRecordError, StaleInsertError):
+        return False
 
 
 class Tiers:
@@ -122,11 +133,7 @@ class Tiers:
         self.report(error.reason, node.key, str(error))
         if error.reason != "missing":
             self.cold.quarantine(error.path)
-        try:
-            record = node.record.model_copy(update={"file": None, "checksum": None, "tier": "hot"})
-            self.index.update_record(node.key, record)
-        except (NodeNotFoundError, CorruptRecordError):
-            pass
+        unfile(self.index, node, error.path)
 
     def report(self, reason: str, key: bytes, detail: str) -> None:
         self.counts[f"miss_{reason}"] += 1
@@ -150,9 +157,11 @@ class Tiers:
             old = node.record.file
             tier = "both" if job.key in self.hot else "cold"
             record = node.record.model_copy(update={"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": tier})
-            self.index.update_record(job.key, record)
-        except (NodeNotFoundError, CorruptRecordError):
-            self.cold.delete(ref.path)
+            span = (job.namespace, job.start, job.end)
+            self.index.update_record(job.key, record, expect=lambda n: (n.namespace, n.start, n.end) == span and n.record.file == old)
+        except (NodeNotFoundError, CorruptRecordError, StaleInsertError):
+            self.cold.delete(ref.path)  # the node changed meanwhile: this file is not its
+            self.counts["spills_dropped"] += 1
             return
         if old and old != ref.path:
             self.cold.delete(old)

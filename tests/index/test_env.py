@@ -111,6 +111,16 @@ def test_map_grows_when_full(tmp_path):
         assert ix.counters(kv)["nodes"] == 201
 
 
+def test_one_transaction_larger_than_the_map(tmp_path):
+    """Early growth cannot help here: the write fails full, grows and retries."""
+    with Index.open(tmp_path / "index", map_size=64 << 10, sync=False) as ix:
+        kv = ix.register_namespace(SPECS[0])
+        seq = list(range(100_000))  # 400 KB of edge tokens
+        assert ix.insert(kv, seq, full(kv)).stored == 100_000
+        assert ix.lookup(kv, seq).matched == 100_000
+        assert ix.stats()["map_size"] >= 512 << 10
+
+
 def test_threads_read_while_the_map_grows(tmp_path):
     """Growing the map invalidates open transactions; readers in other threads must
     wait for it rather than read through a stale mapping."""

@@ -206,3 +206,15 @@ def test_records_are_decoded_on_demand(index, spaces):
     index.insert(kv, [5, 6], record)
     node = index.lookup(kv, [5, 6]).path[0]
     assert node.record == record and node.nbytes == 123
+
+
+def test_insert_many_is_all_or_nothing(index, spaces):
+    kv = spaces[0]
+    items = [([1, 2, 3], full(kv)), ([4], full(kv)), ([1, 2, 9], full(kv))]
+    # The third item splits [1, 2, 3] and no split_records were given.
+    with pytest.raises(RecordLayoutError):
+        index.insert_many(kv, items)
+    assert index.counters(kv)["nodes"] == 0 and index.lookup(kv, [4]).matched == 0
+    results = index.insert_many(kv, items, split_records=(full(kv), full(kv)))
+    assert [r.stored for r in results] == [3, 1, 1]
+    assert index.counters(kv)["nodes"] == 4

@@ -140,3 +140,38 @@ def test_a_disk_that_refuses_writes_keeps_the_store_working(tmp_path, model_of, 
     assert all(b in after for b in before) and len(after) == 3
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
         assert store.namespace(model, model_id="m").fetch(tokens).length == 69
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A store whose cold tier sits on a 64 KiB tmpfs (skipped where mounting is not allowed)."""
+    import subprocess
+
+    root = tmp_path / "store"
+    (root / "cold").mkdir(parents=True, mode=0o700)
+    os.chmod(root, 0o700)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(root / "cold")],
+                          capture_output=True)
+    if done.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    yield root
+    subprocess.run(["umount", "-l", str(root / "cold")], capture_output=True)
+
+
+def test_a_full_disk_keeps_the_store_working(small_disk, model_of):
+    model = model_of("llama")
+    tokens = prompt_tokens(200)
+    with PromptStore.open(small_disk, durability="sync") as store:
+        space = _fill(store, model, tokens, [20])
+        first = [p.read_bytes() for p in _files(small_disk)]
+        assert len(first) == 1
+        space = _fill(store, model, tokens, [60, 120, 199])  # these no longer fit on disk
+        assert store.tiers.counts["miss_disk"] >= 1
+        assert not list(store.tiers.cold.iter_temp_files())  # no half-written file left
+        hit = space.fetch(tokens)
+        assert hit.length == 199
+        want = forward(model, fresh_cache(model), tokens)
+        got = forward(model, hit.cache, tokens[199:])
+        assert mx.abs(want - got).max().item() < 1e-4
+    # What was stored before the disk filled is intact.
+    assert all(b in [p.read_bytes() for p in _files(small_disk)] for b in first)

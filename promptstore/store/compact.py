@@ -1,0 +1,336 @@
+"""Maintenance of a long-lived store: what `tools/compact` runs.
+
+Online by design: every step but the LMDB copy works while other processes
+use the store, because each one is a short index transaction that other
+processes already cope with (a node they were about to read is a miss). Steps
+that could take data a live process still holds in memory (dropping nodes
+that have no file) and the LMDB compacting copy need the store idle: they run
+only when compact gets the store's lock exclusively, and are skipped (and
+reported) otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..errors import ColdFileError, CorruptRecordError, NodeHasChildrenError, NodeNotFoundError, PromptStoreError
+from ..snapshots.cold import TEMP_MARK
+from .store import PromptStore
+from .tiers import unfile
+
+# Files younger than this may be a spill whose index entry is being written.
+ORPHAN_GRACE_S = 600.0
+
+
+@dataclass
+class CompactReport:
+    """What compact found and did (or, in a dry run, would do)."""
+
+    dry_run: bool
+    before: dict = field(default_factory=dict)
+    after: dict = field(default_factory=dict)
+    actions: dict = field(default_factory=dict)  # reason -> {"nodes", "files", "bytes"}
+    skipped: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, reason: str, nodes: int = 0, files: int = 0, nbytes: int = 0) -> None:
+        row = self.actions.setdefault(reason, {"nodes": 0, "files": 0, "bytes": 0})
+        row["nodes"] += nodes
+        row["files"] += files
+        row["bytes"] += nbytes
+
+    @property
+    def changed(self) -> bool:
+        return any(any(v for v in row.values()) for row in self.actions.values())
+
+    @property
+    def status(self) -> str:
+        """clean (nothing to do), repaired (changes made or due), failed."""
+        if self.errors:
+            return "failed"
+        return "repaired" if self.changed else "clean"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _temp_pid(path: Path) -> Optional[int]:
+    try:
+        return int(path.name.split(TEMP_MARK, 1)[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return None
+
+
+class Compactor:
+    """One compact run over an open store."""
+
+    def __init__(self, store: PromptStore, report: CompactReport, tick: Callable[[str], None]):
+        self.store, self.report, self.tick = store, report, tick
+        self.index, self.tiers, self.cold = store.index, store.tiers, store.tiers.cold
+        self.dry = report.dry_run
+
+    # --- inventory ------------------------------------------------------------------
+
+    def inventory(self) -> dict:
+        nodes = files = nbytes = 0
+        for ns in self.index.namespaces():
+            for node in self.index.iter_nodes(ns):
+                nodes += 1
+        for _, size in self.cold.iter_files():
+            files += 1
+            nbytes += size
+        return {"nodes": nodes, "files": files, "bytes": nbytes}
+
+    def _filed(self) -> dict[str, object]:
+        """Index nodes by the file they name."""
+        out = {}
+        for ns in self.index.namespaces():
+            for node in self.index.iter_nodes(ns):
+                try:
+                    if node.record.file:
+                        out[node.record.file] = node
+                except CorruptRecordError:
+                    continue
+        return out
+
+    # --- steps ------------------------------------------------------------------------
+
+    def temp_files(self) -> None:
+        """Spill files a dead writer left under their temporary names."""
+        for path in list(self.cold.iter_temp_files()):
+            pid = _temp_pid(path)
+            if pid is not None and pid != os.getpid() and _pid_alive(pid):
+                continue  # still being written
+            size = path.stat().st_size
+            if not self.dry:
+                path.unlink(missing_ok=True)
+            self.report.add("temporary files", files=1, nbytes=size)
+            self.tick("temporary files")
+
+    def dangling_entries(self) -> None:
+        """Index entries whose file is missing: they point at nothing."""
+        for rel, node in self._filed().items():
+            if (self.cold.root / rel).exists():
+                continue
+            if not self.dry:
+                self._unfile(node)
+            self.report.add("missing files", nodes=1)
+            self.tick("missing files")
+
+    def verify(self) -> None:
+        """Read every file and check it; bad ones are quarantined, never deleted."""
+        for rel, node in self._filed().items():
+            try:
+                self.cold.load(rel, key=node.key, namespace=node.namespace, start=node.start, end=node.end)
+            except ColdFileError as e:
+                size = (self.cold.root / rel).stat().st_size if (self.cold.root / rel).exists() else 0
+                if not self.dry:
+                    self.cold.quarantine(rel)
+                    self._unfile(node)
+                self.report.add(f"failed verify ({e.reason})", nodes=1, files=1, nbytes=size)
+            self.tick("verify")
+
+    def orphan_files(self) -> None:
+        """Files no index entry names (a crash between writing and publishing, or
+        between unpublishing and deleting)."""
+        named = set(self._filed())
+        now = time.time()
+        for rel, size in list(self.cold.iter_files()):
+            if rel in named:
+                continue
+            path = self.cold.root / rel
+            try:
+                if now - path.stat().st_mtime < ORPHAN_GRACE_S and not self.idle:
+                    continue  # possibly a spill about to be published
+            except FileNotFoundError:
+                continue
+            if not self.dry:
+                self.cold.delete(rel)
+            self.report.add("orphan files", files=1, nbytes=size)
+            self.tick("orphan files")
+
+    def dataless_nodes(self) -> None:
+        """Leaves with no file: after a crash their data is nowhere. Idle store only:
+        a live process may hold them in memory."""
+        if not self.idle:
+            self.report.skipped.append("nodes without files (the store is in use)")
+            return
+        changed = True
+        while changed:
+            changed = False
+            for ns in self.index.namespaces():
+                for node in list(self.index.iter_nodes(ns)):
+                    try:
+                        filed = bool(node.record.file)
+                    except CorruptRecordError:
+                        filed = False
+                    if filed or not self.index.is_leaf(node.key):
+                        continue
+                    if self.dry:
+                        self.report.add("nodes without data", nodes=1)
+                        continue
+                    try:
+                        self.index.remove(ns, node.key)
+                    except (NodeHasChildrenError, NodeNotFoundError):
+                        continue
+                    self.report.add("nodes without data", nodes=1)
+                    changed = True
+
+    def merge_chains(self) -> None:
+        """Runs of single-child nodes (a conversation inserted turn by turn) become
+        one node with one file, so a fetch reads fewer files. Branch points stay."""
+        merged = True
+        while merged:
+            merged = False
+            for ns in self.index.namespaces():
+                for listed in list(self.index.iter_nodes(ns)):
+                    node = self.index.get(listed.key)  # earlier joins change spans
+                    if node is None or (node.start, node.end) != (listed.start, listed.end):
+                        continue
+                    kids = self.index.children(node.key)
+                    if len(kids) == 1 and self._join(ns, node, kids[0]):
+                        merged = True
+                        self.tick("merge chains")
+
+    def _join(self, ns, node, child) -> bool:
+        from ..caches import Snapshot, kind_class
+
+        upper, lower = self.tiers.get(node), self.tiers.get(child)
+        if upper is None or lower is None:
+            return False
+        layers = []
+        for u, lo in zip(upper, lower):
+            if lo is None or (u is None and not lo.whole):
+                if lo is None and u is not None and not u.whole:
+                    return False  # a range layer would lose [node.start, node.end)
+                layers.append(None)
+            elif u is None or lo.whole and lo.kind != "cache_list":
+                layers.append(Snapshot(lo.kind, node.start, lo.end, lo.whole, lo.arrays, dict(lo.scalars), lo.children))
+            else:
+                layers.append(kind_class(lo.kind).merge_chain([u, lo]))
+        if self.dry:
+            self.report.add("merged chains", nodes=1, files=1)
+            return False
+        ref = self.cold.write(child.key, node.namespace, node.start, child.end, layers)
+        record = child.record.model_copy(update={
+            "layers": [r.model_copy(update={"present": s is not None, "nbytes": 0 if s is None else s.nbytes})
+                       for r, s in zip(child.record.layers, layers)],
+            "file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": "cold",
+            "prefill_seconds": node.record.prefill_seconds + child.record.prefill_seconds,
+            "hits": max(node.record.hits, child.record.hits),
+        })
+        try:
+            self.index.join_child(ns, node.key, record)
+        except (NodeHasChildrenError, NodeNotFoundError):
+            self.cold.delete(ref.path)  # the trie changed under us: keep it as it is
+            return False
+        for old in (node.record.file, child.record.file):
+            if old and old != ref.path:
+                self.cold.delete(old)
+        self.tiers.forget(node.key)
+        self.tiers.forget(child.key)
+        self.report.add("merged chains", nodes=1, files=1)
+        return True
+
+    def budget(self, max_bytes: int) -> None:
+        """Evict leaves, least valuable first, until files fit `max_bytes`."""
+        total = sum(node.record.nbytes for node in self._filed().values())
+        if total <= max_bytes:
+            return
+        if self.dry:
+            self.report.add("over budget", nbytes=total - max_bytes)
+            return
+        nodes, freed = self.tiers.evict_cold(max_bytes)
+        self.report.add("over budget", nodes=nodes, files=nodes, nbytes=freed)
+
+    def counters(self) -> None:
+        """Bring the per-namespace totals back to what the trie holds."""
+        for ns in self.index.namespaces():
+            actual = {"nodes": 0, "nbytes": 0, "tokens_stored": 0}
+            for node in self.index.iter_nodes(ns):
+                actual["nodes"] += 1
+                actual["nbytes"] += node.nbytes
+                actual["tokens_stored"] += node.end - node.start
+            stored = self.index.counters(ns)
+            drift = {k: v - stored.get(k, 0) for k, v in actual.items() if v != stored.get(k, 0)}
+            if drift:
+                if not self.dry:
+                    self.index.bump(ns, **drift)
+                self.report.add("counters", nodes=len(drift))
+
+    def _unfile(self, node) -> None:
+        unfile(self.index, node, node.record.file)
+
+    @property
+    def idle(self) -> bool:
+        return self.store.exclusive
+
+
+def compact(path: str | os.PathLike, *, max_bytes: Optional[int] = None, verify: bool = False,
+            dry_run: bool = False, lmdb: bool = True, merge: bool = True, tick: Callable[[str], None] = lambda step: None) -> CompactReport:
+    """Repair and shrink the store at `path`; see the module docstring for what runs when."""
+    report = CompactReport(dry_run=dry_run)
+    started = time.perf_counter()
+    with PromptStore.open(path, hot_bytes=0) as store:
+        store.try_exclusive()
+        work = Compactor(store, report, tick)
+        report.before = work.inventory()
+        steps = [work.temp_files, work.dangling_entries]
+        if verify:
+            steps.append(work.verify)
+        steps += [work.dataless_nodes, work.orphan_files]
+        if merge:
+            steps.append(work.merge_chains)
+        if max_bytes is not None:
+            steps.append(lambda: work.budget(max_bytes))
+        steps.append(work.counters)
+        for step in steps:
+            try:
+                step()
+            except PromptStoreError as e:
+                report.errors.append(f"{getattr(step, '__name__', 'budget')}: {e}")
+        idle = store.exclusive
+    if lmdb and not dry_run:
+        if idle:
+            _compact_lmdb(Path(path), report)
+        else:
+            report.skipped.append("LMDB compaction (the store is in use)")
+    with PromptStore.open(path, hot_bytes=0) as store:
+        report.after = Compactor(store, report, tick).inventory()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _compact_lmdb(root: Path, report: CompactReport) -> None:
+    """A compacting copy of the index swapped in, under the store's exclusive lock."""
+    from ..index import Index
+
+    with PromptStore.lock(root, exclusive=True, blocking=False) as held:
+        if not held:
+            report.skipped.append("LMDB compaction (the store is in use)")
+            return
+        index_dir, fresh = root / "index", root / "index.compact"
+        shutil.rmtree(fresh, ignore_errors=True)
+        data = index_dir / "data.mdb"
+        before = data.stat().st_size
+        with Index.open(index_dir) as index:
+            index.compact_copy(fresh)
+        # One atomic rename: a crash leaves either the old map or the new one.
+        os.replace(fresh / "data.mdb", data)
+        shutil.rmtree(fresh, ignore_errors=True)
+        (index_dir / "lock.mdb").unlink(missing_ok=True)  # reader slots of the old map; recreated on open
+        report.add("LMDB space", nbytes=max(before - data.stat().st_size, 0))
