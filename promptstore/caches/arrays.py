@@ -18,6 +18,7 @@ from .snapshot import Snapshot, own
 from .whole import WholeStateKind
 
 _EXTRA = ("left_padding", "lengths")
+MAX_STATE_SLOTS = 64  # models use 2-4; a file claiming more is malformed
 
 
 class ArraysCache(WholeStateKind, mlx_cache.ArraysCache):
@@ -64,6 +65,8 @@ class ArraysCache(WholeStateKind, mlx_cache.ArraysCache):
         size = snapshot.scalars.get("size")
         if not isinstance(size, int) or size <= 0:
             raise SnapshotFormatError(f"bad state size {size!r}")
+        if size > MAX_STATE_SLOTS:
+            raise SnapshotFormatError(f"{size} state slots; at most {MAX_STATE_SLOTS}")
         allowed = {f"s{i}" for i in range(size)} | set(_EXTRA)
         unknown = set(snapshot.arrays) - allowed
         if unknown:

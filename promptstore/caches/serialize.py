@@ -90,7 +90,7 @@ def _parse(metadata: Optional[dict]) -> SnapshotsRecord:
         raise SnapshotFormatError(f"no {METADATA_KEY!r} metadata record")
     try:
         raw = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise SnapshotFormatError(f"metadata is not JSON: {e}") from None
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if version != FORMAT_VERSION:
@@ -99,7 +99,7 @@ def _parse(metadata: Optional[dict]) -> SnapshotsRecord:
         )
     try:
         return SnapshotsRecord.model_validate(raw)
-    except ValidationError as e:
+    except (ValidationError, RecursionError) as e:
         raise SnapshotFormatError(f"malformed snapshot metadata: {e}") from None
 
 
@@ -111,7 +111,7 @@ def _unflatten(meta: SnapshotMeta, prefix: str, arrays: dict, used: set) -> Snap
         a = arrays.get(key)
         if a is None:
             raise SnapshotFormatError(f"array {key!r} is missing")
-        if DTYPES.get(spec.dtype) != a.dtype or list(a.shape) != spec.shape:
+        if spec.dtype not in DTYPES or DTYPES[spec.dtype] != a.dtype or list(a.shape) != spec.shape:
             raise SnapshotFormatError(
                 f"array {key!r} is {a.dtype} {tuple(a.shape)}, metadata says {spec.dtype} {tuple(spec.shape)}"
             )

@@ -9,7 +9,6 @@ a file that fails is moved to quarantine for `tools/compact`.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import secrets
@@ -23,7 +22,8 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..caches import FORMAT_VERSION, Snapshot, from_flat, to_flat
-from ..errors import ColdFileError, DiskWriteError, SnapshotFormatError, UnknownKindError
+from ..caches.serialize import METADATA_KEY
+from ..errors import CacheError, ColdFileError, DiskWriteError
 from .safetensors_header import read_header
 
 NODE_KEY = "promptstore.node"
@@ -41,6 +41,7 @@ class NodeFileMeta(BaseModel):
     start: int
     end: int
     checksums: dict[str, str]
+    record: str  # xxh3-128 of the snapshots' metadata record
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,18 @@ class ColdTier:
 
     # --- naming ----------------------------------------------------------------
 
+    def _mkdirs(self, path: Path) -> None:
+        # One level at a time: mkdir(parents=True) gives the parents the umask's mode.
+        missing = []
+        while not path.exists() and path != self.root:
+            missing.append(path)
+            path = path.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir(mode=self.dir_mode)
+            except FileExistsError:
+                pass
+
     def relative_path(self, key: bytes, start: int, end: int) -> str:
         h = key.hex()
         return f"files/{h[:2]}/{h[2:4]}/{h}-{start}-{end}{SUFFIX}"
@@ -90,15 +103,17 @@ class ColdTier:
         mx.eval(list(arrays.values()))
         sums = {name: checksum(a) for name, a in arrays.items()}
         meta = NodeFileMeta(format_version=FORMAT_VERSION, key=key.hex(), namespace=namespace.hex(),
-                            start=start, end=end, checksums=sums)
+                            start=start, end=end, checksums=sums,
+                            record=xxhash.xxh3_128_hexdigest(metadata[METADATA_KEY].encode()))
         metadata[NODE_KEY] = meta.model_dump_json()
         rel = self.relative_path(key, start, end)
         final = self.root / rel
         try:
-            final.parent.mkdir(mode=self.dir_mode, parents=True, exist_ok=True)
+            self._mkdirs(final.parent)
             temp = final.with_name(f"{final.stem}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
+            # Created private before a byte is written: MLX keeps the mode of a file it truncates.
+            os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode))
             mx.save_safetensors(str(temp), arrays, metadata)
-            os.chmod(temp, self.file_mode)
             self._sync_file(temp)
             os.replace(temp, final)
             self._sync_dir(final.parent)
@@ -144,6 +159,8 @@ class ColdTier:
         meta = self._identity(metadata, rel, key, namespace, start, end)
         if set(meta.checksums) != set(header):
             raise ColdFileError(f"{rel}: checksums do not name the file's arrays", "header", rel)
+        if xxhash.xxh3_128_hexdigest(metadata.get(METADATA_KEY, "").encode()) != meta.record:
+            raise ColdFileError(f"{rel}: the snapshot record fails its checksum", "checksum", rel)
         try:
             arrays = mx.load(str(path))
             # Read everything first: hashing while MLX still reads measured slower.
@@ -155,7 +172,7 @@ class ColdTier:
             raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
         try:
             snapshots = from_flat(arrays, metadata)
-        except (SnapshotFormatError, UnknownKindError) as e:
+        except CacheError as e:
             raise ColdFileError(f"{rel}: {e}", "format", rel) from None
         if any(s is not None and (s.start, s.end) != (start, end) for s in snapshots):
             raise ColdFileError(f"{rel}: snapshots do not span [{start}, {end})", "identity", rel)
@@ -168,14 +185,14 @@ class ColdTier:
             raise ColdFileError(f"{rel}: missing", "missing", rel) from None
         except OSError as e:
             raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ColdFileError(f"{rel}: bad header: {e}", "header", rel) from None
 
     @staticmethod
     def _identity(metadata, rel, key, namespace, start, end) -> NodeFileMeta:
         try:
             meta = NodeFileMeta.model_validate(json.loads(metadata.get(NODE_KEY, "")))
-        except (ValidationError, ValueError):
+        except (ValidationError, ValueError, RecursionError):
             raise ColdFileError(f"{rel}: no valid node record", "header", rel) from None
         if meta.format_version != FORMAT_VERSION:
             raise ColdFileError(f"{rel}: format version {meta.format_version}", "version", rel)
@@ -191,16 +208,18 @@ class ColdTier:
     # --- housekeeping ----------------------------------------------------------
 
     def quarantine(self, rel: str) -> Path | None:
-        """Move a bad file aside (never deleted silently); None if it is gone."""
-        src = self.root / rel
-        dst = self.quarantine_dir / f"{Path(rel).name}.{secrets.token_hex(3)}"
+        """Move a bad snapshot file aside (never deleted silently); None if it is
+        gone or is not a snapshot file of this tier."""
+        try:
+            src = self.absolute(rel)
+        except ColdFileError:
+            return None
+        if not src.name.endswith(SUFFIX) or not src.is_file() or src.is_symlink():
+            return None
+        dst = self.quarantine_dir / f"{src.name}.{secrets.token_hex(3)}"
         try:
             os.replace(src, dst)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            if e.errno != errno.EXDEV:
-                raise
+        except OSError:
             return None
         return dst
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from pathlib import Path
 
@@ -22,8 +23,13 @@ ITEMSIZE = {
 
 def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
     """(tensors by name: {dtype, shape, data_offsets}, string metadata)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    # O_NONBLOCK: a FIFO or device put in place of a file must not hang the reader.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        size = info.st_size
         head = f.read(8)
         if len(head) != 8:
             raise ValueError("file shorter than a safetensors header")
@@ -33,7 +39,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
         raw = f.read(length)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise ValueError("header is not JSON") from None
     if not isinstance(header, dict):
         raise ValueError("header is not an object")

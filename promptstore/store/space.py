@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import caches as C
 from ..caches import Snapshot
-from ..errors import CacheError, CorruptRecordError, KeyCollisionError, StaleInsertError
+from ..errors import CacheError, CorruptRecordError, KeyCollisionError, NodeNotFoundError, StaleInsertError
 from ..index import LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens
 
 if TYPE_CHECKING:
@@ -139,6 +139,8 @@ class Space:
             self.last_hit = Hit(0, cache, self._grid(0, len(toks)), seconds=time.perf_counter() - start)
             return self.last_hit
         match = self.index.lookup(self.namespace, toks[:-1])
+        for key in match.corrupt:
+            self.tiers.report("record", key, "the index record failed its checksum; treated as missing")
         path = list(match.path[: match.restorable_depth + 1])
         target = match.restorable
         restored = self._restore(cache, path, target)
@@ -222,12 +224,35 @@ class Space:
         self.tiers.report("insert", toks[:8].tobytes(), "gave up: the node to split has no data here")
         return 0
 
+    def _heal(self, plan, cache, position: int) -> None:
+        """Nodes on the path whose data is nowhere (a writer died before spilling
+        them) are stored again from `cache`, which holds their tokens."""
+        for node in plan.match.path:
+            if node.end > position or self.tiers.has(node):
+                continue
+            snaps = self._snap_node(cache, node, position)
+            record = self._record(snaps, None, node.end - node.start)
+            span = (node.start, node.end)
+            try:
+                self.index.update_record(node.key, record, expect=lambda n: (n.start, n.end) == span and not n.record.file)
+            except (StaleInsertError, NodeNotFoundError, CorruptRecordError):
+                continue
+            self.tiers.put(self.index.get(node.key), snaps, record.prefill_seconds)
+            self.tiers.counts["healed"] += 1
+
+    def _snap_node(self, cache, node: Node, position: int) -> list:
+        snaps = self._snap_span(cache, node.start, position)
+        if position == node.end:
+            return snaps
+        return [split_for_edge(s, node.end)[0] for s in snaps]
+
     def _commit(self, plan, toks: np.ndarray, cache, prefill_seconds) -> int:
+        self._heal(plan, cache, len(toks))
         start, end = plan.span
         split_records = None
         uppers = lowers = None
         if plan.split is not None:
-            split_records, uppers, lowers = self._split(plan)
+            split_records, uppers, lowers = self._split(plan, cache, len(toks))
             if split_records is None:
                 raise _SplitDataUnavailable()
         new = self._snap_span(cache, start, end) if end > start else None
@@ -256,14 +281,19 @@ class Space:
         seconds = prefill_seconds if prefill_seconds is not None else self.store.estimate_prefill(n_tokens)
         return record.model_copy(update={"layers": layers, "nbytes": sum(s.nbytes for s in snaps if s is not None), "prefill_seconds": seconds})
 
-    def _split(self, plan):
+    def _split(self, plan, cache, position: int):
         node = self._node(plan.split.key)
         snaps = self.tiers.get(node) if node is not None else None
         if snaps is None:
             return None, None, None  # its data is gone: do not split what cannot be served
         halves = [split_for_edge(s, plan.split.at) if s is not None else (None, None) for s in snaps]
-        uppers = [u for u, _ in halves]
         lowers = [lo for _, lo in halves]
+        if position == plan.split.at:
+            # The cache is at the split point: it has every layer's state there,
+            # whole-state ones included (a caller following hit.checkpoints).
+            uppers = self._snap_span(cache, node.start, position)
+        else:
+            uppers = [u for u, _ in halves]
         frac = (plan.split.at - node.start) / (node.end - node.start)
         seconds = node.record.prefill_seconds
         upper_rec = self._record(uppers, seconds * frac, 0)

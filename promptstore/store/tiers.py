@@ -95,6 +95,22 @@ class Tiers:
 
     # --- serving ------------------------------------------------------------------
 
+    def has(self, node: Node) -> bool:
+        """Whether the node's data is held here or named on disk (without loading it)."""
+        span = (node.namespace, node.start, node.end)
+        entry = self.hot.entries.get(node.key)
+        if entry is not None and (entry.meta["namespace"], entry.meta["start"], entry.meta["end"]) == span:
+            return True
+        with self.lock:
+            for jobs in (self.pending, self.stranded):
+                job = jobs.get(node.key)
+                if job is not None and (job.namespace, job.start, job.end) == span:
+                    return True
+        try:
+            return bool(node.record.file)
+        except CorruptRecordError:
+            return False
+
     def get(self, node: Node) -> Optional[list[Snapshot]]:
         """The node's snapshots from memory or a verified file; None is a miss."""
         span = (node.namespace, node.start, node.end)
@@ -131,8 +147,9 @@ class Tiers:
     def _bad_file(self, node: Node, error: ColdFileError) -> None:
         """A miss: report it, quarantine the file, and stop pointing at it."""
         self.report(error.reason, node.key, str(error))
-        if error.reason != "missing":
-            self.cold.quarantine(error.path)
+        own = self.cold.relative_path(node.key, node.start, node.end)
+        if error.reason != "missing" and error.path == own:
+            self.cold.quarantine(own)  # never a file the record merely names
         unfile(self.index, node, error.path)
 
     def report(self, reason: str, key: bytes, detail: str) -> None:
