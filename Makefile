@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 
-.PHONY: setup demo test test-slow bench openblas clean
+.PHONY: setup demo test test-slow bench soak openblas clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/promptstore demo
+	$(BLAS_ENV) $(BIN)/promptstore demo
 
 test: setup
 	$(BIN)/python -m pytest -q
@@ -27,8 +27,13 @@ test: setup
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
 
+# Each benchmark prints its table and writes JSON under bench-results/.
 bench: setup
 	$(BLAS_ENV) $(BIN)/python tools/bench/bench_snapshots.py
+	$(BLAS_ENV) $(BIN)/python tools/bench/bench_tiers.py
+	$(BLAS_ENV) $(BIN)/python tools/bench/bench_index.py
+	$(BLAS_ENV) $(BIN)/python tools/bench/bench_store.py
+	$(BLAS_ENV) $(BIN)/python tools/bench/bench_compact.py
 
 openblas:
 	@test -f $(OPENBLAS) || (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread)
