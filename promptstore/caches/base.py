@@ -112,6 +112,23 @@ class SnapshotProtocol:
         self.apply_restore(plan)
         return True
 
+    def plan_rewind(self, target: int) -> Optional[dict]:
+        """Attributes for rewinding in place to `target` <= position, or None."""
+        raise NotImplementedError
+
+    def checked_rewind(self, target: int) -> Optional[dict]:
+        """plan_rewind, refusing a target past the cache's position."""
+        if target > self.position:
+            raise SnapshotRangeError(f"cannot rewind to {target}: the cache is at {self.position}")
+        return self.plan_rewind(target)
+
+    @classmethod
+    def check_pair(cls, parent: Snapshot, child: Snapshot) -> None:
+        """Both well formed, of this kind, consecutive."""
+        check_consecutive(parent, child)
+        for s in (parent, child):
+            cls.validate_snapshot(s)
+
     def apply_restore(self, plan: dict) -> None:
         for name, value in plan.items():
             setattr(self, name, value)

@@ -88,9 +88,7 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
 
         if parent is None or child is None:
             return child if parent is None else parent
-        check_consecutive(parent, child)
-        for s in (parent, child):
-            cls.validate_snapshot(s)
+        cls.check_pair(parent, child)
         if parent.scalars != child.scalars:
             raise SnapshotKindError(f"cannot merge cache lists {parent.scalars} and {child.scalars}")
         children = tuple(

@@ -57,10 +57,6 @@ class RangeKind(SnapshotProtocol):
         """Attributes for buffers holding positions [lo, target) plus headroom."""
         raise NotImplementedError
 
-    def plan_rewind(self, target: int) -> Optional[dict]:
-        """Attributes for rewinding in place to `target` <= position, or None."""
-        raise NotImplementedError
-
     def install_from(self, target: int) -> int:
         """First position a cache at `target` must hold."""
         return 0
@@ -103,11 +99,7 @@ class RangeKind(SnapshotProtocol):
     def plan_restore(self, snapshot: Optional[SnapshotChain], target: int):
         target = as_position(target, "target")
         if snapshot is None:
-            if target > self.position:
-                raise SnapshotRangeError(
-                    f"cannot rewind to {target}: the cache is at {self.position}"
-                )
-            return self.plan_rewind(target)
+            return self.checked_rewind(target)
         chain = as_chain(snapshot, self.kind)
         for s in chain:
             self.check_layout(s)
@@ -193,9 +185,7 @@ class RangeKind(SnapshotProtocol):
     def merge_snapshots(cls, parent: Optional[Snapshot], child: Optional[Snapshot]):
         if parent is None or child is None:
             return child if parent is None else parent
-        check_consecutive(parent, child)
-        for s in (parent, child):
-            cls.validate_snapshot(s)
+        cls.check_pair(parent, child)
         if child.length == 0:
             return parent
         if parent.length == 0 or data_start(child) > child.start or not cls.token_names(parent):

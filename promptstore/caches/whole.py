@@ -31,11 +31,7 @@ class WholeStateKind(SnapshotProtocol):
     def plan_restore(self, snapshot: Optional[SnapshotChain], target: int):
         target = as_position(target, "target")
         if snapshot is None:
-            if target > self.position:
-                raise SnapshotRangeError(
-                    f"cannot rewind to {target}: the cache is at {self.position}"
-                )
-            return self.plan_rewind(target)
+            return self.checked_rewind(target)
         chain = as_chain(snapshot, self.kind)
         last = chain[-1]
         self.check_layout(last)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence

@@ -12,7 +12,6 @@ import math
 import os
 import stat
 import struct
-from pathlib import Path
 
 MAX_HEADER = 16 << 20
 ITEMSIZE = {

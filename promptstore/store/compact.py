@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional

@@ -8,7 +8,7 @@ yet stored, splitting the snapshots of an edge where a new sequence diverges.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import mlx.core as mx

@@ -59,23 +59,21 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as _dt
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO_ROOT, blas_info, blas_warning, machine_info, timed, write_results  # noqa: E402
+from common import REPO_ROOT, blas_info, blas_warning, timed, write_results  # noqa: E402
 
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import cache as mlc  # noqa: E402

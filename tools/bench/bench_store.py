@@ -17,7 +17,6 @@ fair with OpenBLAS preloaded on Linux.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
