@@ -810,7 +810,7 @@ def test_fuzz_random_corruption_is_detected_or_harmless(fuzz_file):
     meta_lo, meta_hi = record_span(raw)
     counts = collections.Counter()
     offset = st.one_of(st.integers(meta_lo, meta_hi), st.integers(0, head - 1), st.integers(0, len(raw) - 1))
-    keep = raw.index(b'keep\\":2', meta_lo) + 7  # rotating keep 2 -> 3: a known escape
+    keep = raw.index(b'keep\\":2', meta_lo) + 7  # rotating keep 2 -> 3: escaped before the record checksum
 
     @_fuzz
     @example([(keep, 0)], None)
