@@ -290,6 +290,43 @@ class Index:
 
         return self._write(lambda txn, pair: trie.join_child(txn, self._dbs, pair, record), fits)
 
+    def corrupt_nodes(self) -> list[bytes]:
+        """Keys of stored nodes that fail to decode or verify (a full scan)."""
+        bad = []
+        with self._read() as txn:
+            for key, _ in txn.cursor(db=self._dbs.nodes):
+                key = bytes(key)
+                try:
+                    trie.read_node(txn, self._dbs, key)
+                except IndexStoreError:
+                    bad.append(key)
+        return bad
+
+    def drop_subtree(self, key: bytes) -> int:
+        """Remove node `key` and everything below it, even if its record is
+        unreadable (repair). Returns the nodes removed; totals are left to a
+        recount (the namespace of an unreadable node is unknown)."""
+
+        def apply(txn, _) -> int:
+            d = self._dbs
+            for entry, target in list(txn.cursor(db=d.children)):
+                if bytes(target) == key:
+                    txn.delete(bytes(entry), db=d.children)
+            removed, stack = 0, [key]
+            while stack:
+                k = stack.pop()
+                for child in trie.child_keys(txn, d, k):
+                    stack.append(child)
+                cursor = txn.cursor(db=d.children)
+                while cursor.set_range(k) and bytes(cursor.key()[: len(k)]) == k:
+                    cursor.delete()
+                removed += txn.delete(k, db=d.nodes)
+                txn.delete(k, db=d.edges)
+                access.forget(txn, d, k)
+            return removed
+
+        return self._write(apply)
+
     def compact_copy(self, dest: str | os.PathLike) -> None:
         """Write a compacting copy of the environment into the new directory `dest`."""
         os.makedirs(dest, mode=0o700)

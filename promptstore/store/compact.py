@@ -130,6 +130,17 @@ class Compactor:
             self.report.add("missing files", nodes=1)
             self.tick("missing files")
 
+    def corrupt_records(self) -> None:
+        """Index records that fail their checksum block inserts through them:
+        drop them with their subtree (the files become orphans, reclaimed next)."""
+        for key in self.index.corrupt_nodes():
+            if self.dry:
+                self.report.add("corrupt index records", nodes=1)
+                continue
+            removed = self.index.drop_subtree(key)
+            self.report.add("corrupt index records", nodes=removed)
+            self.tick("corrupt index records")
+
     def verify(self) -> None:
         """Read every file and check it; bad ones are quarantined, never deleted."""
         for rel, node in self._filed().items():
@@ -288,7 +299,7 @@ def compact(path: str | os.PathLike, *, max_bytes: Optional[int] = None, verify:
         store.try_exclusive()
         work = Compactor(store, report, tick)
         report.before = work.inventory()
-        steps = [work.temp_files, work.dangling_entries]
+        steps = [work.temp_files, work.corrupt_records, work.dangling_entries]
         if verify:
             steps.append(work.verify)
         steps += [work.dataless_nodes, work.orphan_files]

@@ -168,3 +168,29 @@ def test_chains_merge_into_one_node(tmp_path, model_of, family):
         hit = space.fetch(mx.concatenate([tokens, prompt_tokens(5, seed=42)]))
         assert hit.length == len(tokens) and hit.nodes == 2
     assert_serves(tmp_path, model, [tokens, other])
+
+
+def test_a_corrupt_index_record_is_dropped_with_its_subtree(tmp_path, model_of, seqs):
+    """A damaged record blocks inserts through it; compact removes it and what
+    hangs below, after which the prefix can be stored and served again."""
+    import lmdb
+
+    model = model_of("llama")
+    build(tmp_path, model, seqs)
+    with PromptStore.open(tmp_path) as store:
+        space = store.namespace(model, model_id="m")
+        victim = next(n for n in store.index.iter_nodes(space.namespace) if n.end == 24)
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=16)
+    nodes = env.open_db(b"nodes")
+    with env.begin(write=True) as txn:
+        raw = bytearray(txn.get(victim.key, db=nodes))
+        raw[-3] ^= 0xFF
+        txn.put(victim.key, bytes(raw), db=nodes)
+    env.close()
+    report = compact(tmp_path, max_bytes=10**9)
+    assert report.actions["corrupt index records"]["nodes"] >= 2  # the node and its subtree
+    assert compact(tmp_path, max_bytes=10**9).status == "clean"
+    build(tmp_path, model, seqs)  # stores the lost nodes again
+    assert_serves(tmp_path, model, seqs)
+    with PromptStore.open(tmp_path, hot_bytes=0) as store:
+        assert store.namespace(model, model_id="m").fetch(seqs[0]).length == len(seqs[0]) - 1
