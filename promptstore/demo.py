@@ -11,6 +11,7 @@ a chat template. With `model_path` it loads a local MLX model with mlx-lm.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import mlx.core as mx
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -193,6 +195,9 @@ def run(model_path: Optional[str] = None, store_dir: Optional[str] = None, json_
     rows += [summary("fresh store", fresh, base), summary("after restart", again, base)]
     same = [all(a.reply == b.reply for a, b in zip(plain, other)) for other in (fresh, again)]
     _print(console, rows, same)
+    blas = "OpenBLAS (preloaded)" if "openblas" in os.environ.get("LD_PRELOAD", "") else "MLX's bundled BLAS"
+    what = model_path or "a float32 random-weight llama (4 layers, hidden 256)"
+    console.print(f"model: {what}; device: {mx.default_device()}; BLAS: {blas}")
     if json_out:
         Path(json_out).write_text(json.dumps({"rows": rows, "replies_equal": same}, indent=2))
     return all(same)
