@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 
-.PHONY: setup demo test test-slow bench soak openblas clean
+.PHONY: setup demo test test-slow bench bench-anchors soak openblas clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ bench: setup
 	$(BLAS_ENV) $(BIN)/python tools/bench/bench_index.py
 	$(BLAS_ENV) $(BIN)/python tools/bench/bench_store.py
 	$(BLAS_ENV) $(BIN)/python tools/bench/bench_compact.py
+
+# Side by side with mlx-lm (LRU, files) on one machine, about 10 min on 2 cores;
+# writes bench-results/anchors-cpu.json (+ .png) and docs/benchmarks.md.
+bench-anchors: setup
+	$(BLAS_ENV) $(BIN)/python tools/bench/bench_anchors.py
 
 openblas:
 	@test -f $(OPENBLAS) || (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread)

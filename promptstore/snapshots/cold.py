@@ -53,8 +53,16 @@ class FileRef:
 
 
 def checksum(array: mx.array) -> str:
-    # Hashes MLX's buffer in place: no copy, bf16 included.
-    return xxhash.xxh3_128_hexdigest(memoryview(array))
+    """xxh3-128 of the array's bytes in row-major order."""
+    try:
+        # Hashes MLX's buffer in place: no copy, bf16 included.
+        return xxhash.xxh3_128_hexdigest(memoryview(array))
+    except BufferError:
+        # A strided array (MLX may hand one over for a copy of a slice): the
+        # same bytes, laid out row-major first.
+        flat = mx.contiguous(array)
+        mx.eval(flat)
+        return xxhash.xxh3_128_hexdigest(memoryview(flat))
 
 
 class ColdTier:

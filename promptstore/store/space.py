@@ -8,6 +8,7 @@ yet stored, splitting the snapshots of an edge where a new sequence diverges.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -109,6 +110,10 @@ class Space:
         self.cache_kwargs = cache_kwargs
         self.index, self.tiers = store.index, store.tiers
         self.last_hit: Optional[Hit] = None
+        self._touched: list[bytes] = []
+        self._counts: Counter = Counter()
+        self._flushed = time.monotonic()
+        store.spaces.append(self)
 
     @classmethod
     def bind(cls, store, model, model_id=None, salt=None, kv_bits=None, kv_group_size=64, max_kv_size=None) -> "Space":
@@ -135,7 +140,7 @@ class Space:
         toks = as_tokens(tokens)
         cache = self.new_cache()
         if len(toks) < 2:
-            self.index.bump(self.namespace, misses=1)
+            self._account([], misses=1)
             self.last_hit = Hit(0, cache, self._grid(0, len(toks)), seconds=time.perf_counter() - start)
             return self.last_hit
         match = self.index.lookup(self.namespace, toks[:-1])
@@ -147,15 +152,28 @@ class Space:
         length, used, cold = restored if restored else (0, 0, ())
         cold_tokens = sum(min(n.end, length) - n.start for n in cold if n.start < length)
         if length:
-            self.index.touch(n.key for n in path[:used])
-            self.index.bump(self.namespace, hits=1, tokens_served=length)
+            self._account(path[:used], hits=1, tokens_served=length)
         else:
-            self.index.bump(self.namespace, misses=1)
+            self._account([], misses=1)
         checkpoints = tuple(sorted({p for p in match.checkpoints if p > length} | set(self._grid(length, len(toks) - 1))))
         hit = Hit(length, cache, checkpoints, used, len([n for n in cold if n.start < length]), cold_tokens,
                   time.perf_counter() - start)
         self.last_hit = hit
         return hit
+
+    def _account(self, nodes, **counts) -> None:
+        """Access order and hit counters are advisory: gather them and write
+        them in one transaction now and then, not two per fetch."""
+        self._touched.extend(n.key for n in nodes)
+        self._counts.update(counts)
+        if len(self._touched) >= 64 or time.monotonic() - self._flushed > 1.0:
+            self.flush_stats()
+
+    def flush_stats(self) -> None:
+        if self._touched or self._counts:
+            self.index.touch(self._touched)
+            self.index.bump(self.namespace, **self._counts)
+        self._touched, self._counts, self._flushed = [], Counter(), time.monotonic()
 
     def _grid(self, start: int, end: int) -> tuple[int, ...]:
         if self.namespace.whole_mask == 0:
@@ -250,8 +268,10 @@ class Space:
         self._heal(plan, cache, len(toks))
         start, end = plan.span
         split_records = None
-        uppers = lowers = None
+        uppers = lowers = split_file = None
         if plan.split is not None:
+            split_node = self._node(plan.split.key)
+            split_file = split_node.record.file if split_node is not None else None
             split_records, uppers, lowers = self._split(plan, cache, len(toks))
             if split_records is None:
                 raise _SplitDataUnavailable()
@@ -262,7 +282,7 @@ class Space:
         record = self._record(new, prefill_seconds, end - start) if new is not None else None
         result = self.index.commit_insert(plan, record, split_records)
         if plan.split is not None:
-            self._place_split(plan, uppers, lowers)
+            self._place_split(plan, uppers, lowers, split_file)
         if new is not None:
             self.tiers.put(self.index.get(result.key), new, record.prefill_seconds)
         if fill is not None:
@@ -300,8 +320,10 @@ class Space:
         lower_rec = self._record(lowers, seconds * (1 - frac), 0)
         return (upper_rec, lower_rec), uppers, lowers
 
-    def _place_split(self, plan, uppers, lowers) -> None:
+    def _place_split(self, plan, uppers, lowers, old_file) -> None:
         self.tiers.forget(plan.split.key)
+        if old_file:
+            self.tiers.cold.delete(old_file)  # it spans the old edge: no record names it now
         for key, snaps in ((plan.split.upper_key, uppers), (plan.split.key, lowers)):
             node = self._node(key)
             if node is not None:

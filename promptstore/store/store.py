@@ -49,6 +49,7 @@ class PromptStore:
         self.index = Index.open(path / "index", map_size=settings.map_size)
         self.tiers = Tiers(path, self.index, settings)
         self.seconds_per_token = _DEFAULT_SECONDS_PER_TOKEN
+        self.spaces: list[Space] = []
         self._closed = False
 
     @classmethod
@@ -82,6 +83,8 @@ class PromptStore:
         """Put everything on disk (whatever the durability) and close the index."""
         if not self._closed:
             self._closed = True
+            for space in self.spaces:
+                space.flush_stats()
             self.tiers.close()
             self.index.close()
             self._lock.close()  # releases the flock

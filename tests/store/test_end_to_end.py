@@ -51,6 +51,7 @@ def test_replies_equal_replies_without_the_store(tmp_path, family):
     with promptstore.PromptStore.open(tmp_path, checkpoint_interval=32) as store:
         space = store.namespace(model, model_id=family)
         assert chat(model, tokenizer, space) == want
+        space.flush_stats()  # hit counters are written in batches
         counters = store.index.counters(space.namespace)
         assert counters["hits"] >= 2 and counters["tokens_served"] > 0
     # After a restart the whole conversation is served from disk.

@@ -175,3 +175,16 @@ def test_a_full_disk_keeps_the_store_working(small_disk, model_of):
         assert mx.abs(want - got).max().item() < 1e-4
     # What was stored before the disk filled is intact.
     assert all(b in [p.read_bytes() for p in _files(small_disk)] for b in first)
+
+
+def test_splitting_a_node_on_disk_leaves_no_orphan_file(tmp_path, model_of):
+    model = model_of("llama")
+    a = prompt_tokens(60, seed=50)
+    b = mx.concatenate([a[:30], prompt_tokens(30, seed=51)])
+    with PromptStore.open(tmp_path, durability="sync") as store:
+        _fill(store, model, a, [60])
+        _fill(store, model, b, [60])  # splits [0, 60) at 30
+        space = store.namespace(model, model_id="m")
+        named = {n.record.file for n in store.index.iter_nodes(space.namespace)}
+    on_disk = {str(p.relative_to(tmp_path / "cold")) for p in _files(tmp_path)}
+    assert on_disk == named and len(named) == 3

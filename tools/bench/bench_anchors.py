@@ -119,6 +119,7 @@ class Profile:
     ceiling_runs: int
     workloads: tuple[str, ...]
     note: str = ""
+    control_step: int = 0  # > 0: also run no cache with this prefill step (a numerics control)
 
 
 PROFILES = {
@@ -147,7 +148,7 @@ PROFILES = {
         conversations=12, turns=3, user_tokens=64, reply_tokens=16, prefill_step=2048,
         checkpoint_interval=1024, hot_bytes=24 * GiB, fork_system=32768, fork_width=3, fork_retries=2,
         hybrid_conversations=6, hybrid_turns=2, hybrid_hidden=1024, hybrid_window=1024,
-        ceiling_samples=6, ceiling_runs=3, workloads=("chat", "restart"),
+        ceiling_samples=6, ceiling_runs=3, workloads=("chat", "restart"), control_step=512,
         note="float16 on the GPU; all 16 layers of Llama-3.2-1B's shape; 3 system prompts of "
         "32k tokens; 12 conversations x 3 turns, one more turn after the restart; "
         "promptstore hot tier 24 GiB",
@@ -332,6 +333,11 @@ class Outcome:
     ttft_s: float = 0.0
     total_s: float = 0.0
     reply: list = field(default_factory=list)
+    margins: list = field(default_factory=list)  # top-2 logprob margin at each generated token
+    lp_diff0: Optional[float] = None  # max |logprob - no cache's| over the first token's distribution
+    diverge: Optional[int] = None  # first reply token that differs from no cache's
+    margin_ref: Optional[float] = None  # no cache's top-2 margin there
+    margin_at: Optional[float] = None  # this contender's top-2 margin there
 
 
 class Engine:
@@ -340,15 +346,22 @@ class Engine:
     def __init__(self, model, profile: Profile):
         self.model, self.profile = model, profile
 
-    def generate(self, cache, tokens: list[int], t0: float) -> tuple[list[int], float]:
+    def generate(self, cache, tokens: list[int], t0: float, out: "Outcome") -> None:
+        """Greedy reply to `tokens` (the prompt past what `cache` holds) into
+        `out`: reply, TTFT from `t0`, and (after the first token, untimed
+        where it matters) the top-2 logprob margins and the first token's
+        logprobs (kept in `last_lp0` to compare with no cache's)."""
         gen = generate_step(mx.array(tokens), self.model, prompt_cache=cache,
                             max_tokens=self.profile.reply_tokens, prefill_step_size=self.profile.prefill_step)
-        reply, ttft = [], None
-        for token, _ in gen:
+        reply, margins, ttft = [], [], None
+        for token, logprobs in gen:
             if ttft is None:
                 ttft = time.perf_counter() - t0
+                self.last_lp0 = np.array(logprobs.astype(mx.float32))
+            top2 = mx.topk(logprobs.astype(mx.float32), 2)
+            margins.append(float(mx.max(top2) - mx.min(top2)))
             reply.append(int(token))
-        return reply, ttft
+        out.reply, out.ttft_s, out.margins = reply, ttft, margins
 
     def prefill(self, cache, tokens: list[int], start: int, end: int) -> None:
         """tokens[start:end] through the model in prefill steps (as promptstore's
@@ -396,7 +409,7 @@ class NoCache(Contender):
         out = Outcome(req.name, len(req.prompt))
         t0 = time.perf_counter()
         cache = mlc.make_prompt_cache(self.engine.model)
-        out.reply, out.ttft_s = self.engine.generate(cache, req.prompt, t0)
+        self.engine.generate(cache, req.prompt, t0, out)
         out.total_s = time.perf_counter() - t0
         return out
 
@@ -427,7 +440,7 @@ class LRU(Contender):
             self.engine.prefill(cache, prompt, position, req.sys_end)
             self.lru.insert_cache(LRU_KEY, prompt[: req.sys_end], copy.deepcopy(cache), cache_type="system")
             position = req.sys_end
-        out.reply, out.ttft_s = self.engine.generate(cache, prompt[position:], t0)
+        self.engine.generate(cache, prompt[position:], t0, out)
         self.lru.insert_cache(LRU_KEY, prompt + out.reply, cache, cache_type="assistant")
         out.total_s = time.perf_counter() - t0
         return out
@@ -477,7 +490,7 @@ class Files(Contender):
         if cache is None:
             cache, restored = mlc.make_prompt_cache(self.engine.model), 0
         self._restored(out, cache, restored, t0)
-        out.reply, out.ttft_s = self.engine.generate(cache, req.prompt[restored:], t0)
+        self.engine.generate(cache, req.prompt[restored:], t0, out)
         mlc.save_prompt_cache(str(self.path(req.conv)), cache, {"tokens": str(len(req.prompt) + len(out.reply))})
         self.held[req.conv] = req.prompt + out.reply
         out.total_s = time.perf_counter() - t0
@@ -526,7 +539,7 @@ class Store(Contender):
             self.engine.prefill(cache, tokens, position, point)
             space.insert(tokens[:point], cache, prefill_seconds=time.perf_counter() - started)
             position = point
-        out.reply, out.ttft_s = self.engine.generate(cache, tokens[position:], t0)
+        self.engine.generate(cache, tokens[position:], t0, out)
         seen = tokens + out.reply
         held = prompt_position(cache)
         if 0 < held <= len(seen):
@@ -554,28 +567,59 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run_script(script: Script, contenders: list[Contender], reference: Optional[dict] = None) -> dict:
-    """Run every request through every contender (the first one, when no
-    reference is given, is the reference). Returns {contender: [Outcome]}."""
+class Reference:
+    """No cache's outcomes and first-token logprobs, to compare the others with."""
+
+    def __init__(self):
+        self.outs: dict[str, Outcome] = {}
+        self.lp0: dict[str, np.ndarray] = {}
+
+    def keep(self, out: Outcome, lp0: np.ndarray) -> None:
+        self.outs[out.name], self.lp0[out.name] = out, lp0
+
+    def compare(self, out: Outcome, lp0: np.ndarray) -> None:
+        ref = self.outs.get(out.name)
+        if ref is None:
+            return
+        out.lp_diff0 = float(np.max(np.abs(lp0 - self.lp0[out.name])))
+        for i, (a, b) in enumerate(zip(out.reply, ref.reply)):
+            if a != b:
+                out.diverge, out.margin_ref, out.margin_at = i, ref.margins[i], out.margins[i]
+                break
+
+
+def serve_all(contender: Contender, requests, reference: Reference, is_reference: bool, label: str) -> list[Outcome]:
+    started = time.perf_counter()
+    outs = []
+    for req in requests:
+        out = contender.serve(req)
+        lp0 = contender.engine.last_lp0
+        reference.keep(out, lp0) if is_reference else reference.compare(out, lp0)
+        outs.append(out)
+    log(f"  {label}: {contender.name}: {len(outs)} requests in {time.perf_counter() - started:.1f}s")
+    return outs
+
+
+def run_script(script: Script, contenders: list[Contender]) -> dict:
+    """Run every request through every contender; the first (no cache) is
+    the reference. Returns {contender: [Outcome]}."""
     results: dict[str, list[Outcome]] = {}
+    reference = Reference()
     for i, contender in enumerate(contenders):
-        started = time.perf_counter()
-        outs = []
-        for build in script.steps():
-            req = build(script.replies)
-            out = contender.serve(req)
-            outs.append(out)
-            if i == 0 and reference is None:
-                script.replies[req.name] = out.reply
-        results[contender.name] = outs
-        log(f"  {script.name}: {contender.name}: {len(outs)} requests in {time.perf_counter() - started:.1f}s")
+        def requests():
+            for build in script.steps():
+                req = build(script.replies)
+                yield req
+                if i == 0:
+                    script.replies[req.name] = reference.outs[req.name].reply
+        results[contender.name] = serve_all(contender, requests(), reference, i == 0, script.name)
     return results
 
 
 def warm_up(engine: Engine) -> None:
     """Compile and fault in the model once (untimed)."""
     cache = mlc.make_prompt_cache(engine.model)
-    engine.generate(cache, list(range(FIRST_CONTENT, FIRST_CONTENT + 64)), time.perf_counter())
+    engine.generate(cache, list(range(FIRST_CONTENT, FIRST_CONTENT + 64)), time.perf_counter(), Outcome("warm-up", 64))
 
 
 # --------------------------------------------------------------------------------------
@@ -669,6 +713,10 @@ def summarize_contender(name: str, outs: list[Outcome], reference: dict[str, lis
         "hit_ttft_p50_s": pct(hit_ttft, 50), "hit_ttft_p95_s": pct(hit_ttft, 95),
         "disk_bytes": disk,
         "replies_equal": not mismatched, "replies_mismatched": mismatched,
+        "max_first_token_logprob_diff": max((o.lp_diff0 for o in outs if o.lp_diff0 is not None), default=None),
+        "mismatch_detail": [{"request": o.name, "token": o.diverge, "margin_no_cache": o.margin_ref,
+                             "margin_here": o.margin_at, "restored": o.restored}
+                            for o in outs if o.diverge is not None],
     }
     if hits and samples:
         rb = sum(o.restored_bytes for o in hits)
@@ -718,8 +766,16 @@ def summarize_workload(name: str, desc: str, results: dict[str, list[Outcome]], 
 
 
 def contenders_for(engine: Engine, model_id: str, root: Path, profile: Profile) -> list[Contender]:
+    control = []
+    if profile.control_step:
+        # Full prefill again, chunked differently: how often float rounding alone
+        # flips a greedy reply (it changes nothing a cache does).
+        other = NoCache(Engine(engine.model, replace(profile, prefill_step=profile.control_step)))
+        other.name = f"no cache, prefill step {profile.control_step} (control)"
+        control = [other]
     return [
         NoCache(engine),
+        *control,
         LRU(engine),
         Files(engine, root / "files"),
         Store(engine, root / "store-hot", model_id, hot_bytes=profile.hot_bytes),
@@ -794,11 +850,9 @@ def restart_phase(state_path: Path, result_path: Path, profile: Profile) -> None
     lru = LRU(engine)
     lru.name = "mlx-lm LRUPromptCache (restarted: empty)"
     contenders = [NoCache(engine), lru, files, store]
-    results = {}
-    for c in contenders:
-        t = time.perf_counter()
-        results[c.name] = [c.serve(r) for r in requests]
-        log(f"  restart (fresh process): {c.name}: {len(requests)} requests in {time.perf_counter() - t:.1f}s")
+    results, reference = {}, Reference()
+    for i, c in enumerate(contenders):
+        results[c.name] = serve_all(c, requests, reference, i == 0, "restart (fresh process)")
     store.close()
     result_path.write_text(json.dumps({
         "after": after,
@@ -896,14 +950,15 @@ def _ms(s: Optional[float]) -> str:
 
 def workload_table(s: dict) -> str:
     head = ("| contender | prefilled tokens | cut | TTFT p50 | TTFT p95 | hit TTFT p50 | hit TTFT p95 | disk "
-            "| restore GB/s | restore ÷ floor | restore ÷ mx.load | restored from disk | replies = no cache |")
-    lines = [head, "|" + "---|" * 13]
+            "| restore GB/s | restore ÷ floor | restore ÷ mx.load | restored from disk | replies = no cache "
+            "| max Δ logprob, 1st token |")
+    lines = [head, "|" + "---|" * 14]
     for r in s["rows"]:
         if r.get("ceiling"):
             lines.append(f"| *{r['contender']}* | | | | | {_ms(r['hit_ttft_p50_s'])}† | {_ms(r['hit_ttft_p95_s'])}† "
-                         f"| | {r['restore_gbps']:.2f} | | | | |")
+                         f"| | {r['restore_gbps']:.2f} | | | | | |")
             continue
-        cut = "" if r["contender"] == "no cache" or r["prefill_cut"] is None else f"{r['prefill_cut']:.1%}"
+        cut = "" if r["contender"].startswith("no cache") or r["prefill_cut"] is None else f"{r['prefill_cut']:.1%}"
         gbps = f"{r['restore_gbps']:.2f}" if r.get("restore_gbps") else "-"
         vf = f"{r['restore_vs_floor']:.2f}x" if r.get("restore_vs_floor") else "-"
         vl = f"{r['restore_vs_load']:.2f}x" if r.get("restore_vs_load") else "-"
@@ -916,8 +971,21 @@ def workload_table(s: dict) -> str:
         lines.append(f"| {name} | {r['prefilled_tokens']:,} of {r['prompt_tokens']:,} | {cut} "
                      f"| {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p95_s'])} | {_ms(r['hit_ttft_p50_s'])} "
                      f"| {_ms(r['hit_ttft_p95_s'])} | {_bytes(r['disk_bytes']) if r['disk_bytes'] is not None else '-'} "
-                     f"| {gbps} | {vf} | {vl} | {disk_share} | {eq} |")
+                     f"| {gbps} | {vf} | {vl} | {disk_share} | {eq} | {_sci(r.get('max_first_token_logprob_diff'))} |")
+    details = []
+    for r in s["rows"]:
+        for m in r.get("mismatch_detail", []):
+            details.append(f"{r['contender']}: {m['request']} (restored {m['restored']:,}) differs from token "
+                           f"{m['token']} on, where the top-2 logprob margin was {m['margin_no_cache']:.4f} "
+                           f"without a cache and {m['margin_here']:.4f} here")
+    if details:
+        lines.append("\nReplies that differ from no cache's:\n")
+        lines += [f"- {d}" for d in details]
     return "\n".join(lines)
+
+
+def _sci(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1e}"
 
 
 def goals_table(gs: list[dict]) -> str:
@@ -940,8 +1008,11 @@ TITLES = {
 
 def report(doc: dict) -> str:
     m = doc["machine"]
-    parts = [f"Run {doc['date']} on {m['platform']} ({m['cpu_count']} CPUs; MLX {m['mlx']} on {m['mlx_device']}; "
-             f"mlx-lm {m['mlx_lm']}; BLAS: {doc['blas']['name']}). Profile `{doc['profile']['name']}`: "
+    blas = "not used (GPU)" if "gpu" in m["mlx_device"] else doc["blas"]["name"]
+    gpu = f"; GPU: {doc['gpu']}" if doc.get("gpu") else ""
+    partial = " **Partial: the run stopped before every workload was done.**" if doc.get("partial") else ""
+    parts = [f"Run {doc['date']} on {m['platform']} ({m['cpu_count']} CPUs{gpu}; MLX {m['mlx']} on {m['mlx_device']}; "
+             f"mlx-lm {m['mlx_lm']}; BLAS: {blas}).{partial} Profile `{doc['profile']['name']}`: "
              f"{doc['profile']['note']}. Whole run: {doc['wall_s'] / 60:.1f} min."]
     for name, s in doc["workloads"].items():
         parts.append(f"\n#### {TITLES.get(name, name)}\n\n{s['model']}; {s['requests_note']}.\n\n{workload_table(s)}")
@@ -963,8 +1034,20 @@ How to read the tables:
   as for every file here). † ceiling rows: promptstore hot's hits with their restore replaced by the ceiling.
 - **replies = no cache**: every greedy reply equals the full-prefill reply; a contender that changes
   a reply is wrong.
+- **max Δ logprob, 1st token**: the largest difference from no cache's log-probabilities over the
+  whole vocabulary at the first generated token: rounding shows as 1e-5 (float32) to 1e-2 (float16);
+  a wrong cache would show differences of order one. In float16 a greedy reply can flip where two
+  tokens tie at float16's resolution; the list under a table gives each flip with the top-2 margin
+  there, and the control row (no cache again, prefill chunked differently) shows full prefill
+  flipping about as often.
 - The TTFT goals compare whole TTFTs (restore plus the suffix prefill and first token); the detail
   column gives the stricter restore-alone ratio.
+- mlx-lm's LRU restores with `copy.deepcopy`, which on the CPU shares the MLX buffer: its copy happens
+  at the cache's first write, inside the prefill, so its restore column can beat the one-copy floor.
+- Hybrid runs are smaller (fewer conversations and turns) than the chat run: their prefill cut and
+  disk ratio are shown against the chat goals but are not the chat workload. promptstore spends its
+  disk there on whole-state checkpoints (window or recurrent state at branch points and every
+  `checkpoint_interval` tokens), the restore points those layers need.
 """
 
 
@@ -976,6 +1059,30 @@ def markdown_doc(docs: dict[str, dict]) -> str:
         parts.append(f"\n## {label}\n")
         parts.append(report(doc))
     return "\n".join(parts) + "\n"
+
+
+def save_split(out_path: Path, payload: dict, blas: dict) -> Path:
+    """The summary to `out_path` (common.write_results), every request's
+    outcome to `<name>.requests.json` beside it (compact: it is large)."""
+    workloads = {n: {k: v for k, v in w.items() if k != "outcomes"} for n, w in payload["workloads"].items()}
+    requests = {n: w["outcomes"] for n, w in payload["workloads"].items() if "outcomes" in w}
+    path = write_results(out_path, dict(payload, workloads=workloads,
+                                        requests_file=out_path.with_suffix(".requests.json").name), blas)
+    if requests:
+        path.with_suffix(".requests.json").write_text(json.dumps(requests, separators=(",", ":")) + "\n")
+    return path
+
+
+def gpu_name() -> Optional[str]:
+    """The GPU's name where MLX runs on one (nvidia-smi), else None."""
+    if mx.default_device() != mx.gpu:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        return out.splitlines()[0] if out else str(mx.device_info().get("device_name", "gpu"))
+    except (OSError, subprocess.SubprocessError):
+        return str(mx.device_info().get("device_name", "gpu"))
 
 
 def sanitize_blas(info: dict) -> dict:
@@ -1035,8 +1142,9 @@ def main(argv=None) -> int:
             "wall_s": time.perf_counter() - started,
             "workloads": workloads,
             "goals": goals(workloads),
+            "gpu": gpu_name(),
         }
-        return write_results(out_path, payload, sanitize_blas(blas))
+        return save_split(out_path, payload, sanitize_blas(blas))
     with tempfile.TemporaryDirectory(prefix="anchors-") as tmp:
         tmp = Path(tmp)
         log(f"profile {profile.name}: building the llama model")

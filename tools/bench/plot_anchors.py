@@ -20,14 +20,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 SHORT = {
     "no cache": "no cache",
-    "mlx-lm LRUPromptCache": "mlx-lm LRU",
-    "mlx-lm LRUPromptCache (restarted: empty)": "mlx-lm LRU\n(restarted)",
-    "mlx-lm cache files": "mlx-lm files",
+    "mlx-lm LRUPromptCache": "mlx-lm\nLRU",
+    "mlx-lm LRUPromptCache (restarted: empty)": "mlx-lm LRU\n(restarted:\nempty)",
+    "mlx-lm cache files": "mlx-lm\nfiles",
     "promptstore hot": "promptstore\nhot",
     "promptstore cold only": "promptstore\ncold only",
     "promptstore (restarted)": "promptstore\n(restarted)",
     "ceiling: one mx.concatenate (one-copy floor)": "one-copy\nfloor",
     "ceiling: mx.load of one file": "mx.load",
+    "no cache, prefill step 512 (control)": "no cache\n(step 512)",
 }
 
 
@@ -63,6 +64,7 @@ def plot(path: str | Path) -> Path:
         restore = [r for r in rows if r.get("restore_gbps")] + ceilings
         ax.bar(range(len(restore)), [r["restore_gbps"] for r in restore],
                color=["tab:green" if not r.get("ceiling") else "tab:orange" for r in restore])
+        ax.set_yscale("log")
         ax.set_ylabel("restore GB/s (orange: ceilings)")
         ax.set_xticks(range(len(restore)), [SHORT.get(r["contender"], r["contender"]) for r in restore], fontsize=7)
 
