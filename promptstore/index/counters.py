@@ -16,6 +16,11 @@ NAMES = ("hits", "misses", "tokens_served", "tokens_stored", "nodes", "nbytes")
 _VALUE = struct.Struct("<q")
 
 
+def _value(raw) -> int:
+    # Counters are advisory: a damaged one reads as 0 and is rewritten (compact recounts).
+    return _VALUE.unpack(raw)[0] if raw is not None and len(raw) == _VALUE.size else 0
+
+
 def check_names(deltas: dict[str, int]) -> None:
     unknown = sorted(set(deltas) - set(NAMES))
     if unknown:
@@ -29,14 +34,12 @@ def add(
         if not delta:
             continue
         key = namespace + name.encode()
-        old = txn.get(key, db=dbs.counters)
-        value = (_VALUE.unpack(old)[0] if old is not None else 0) + int(delta)
+        value = _value(txn.get(key, db=dbs.counters)) + int(delta)
         txn.put(key, _VALUE.pack(value), db=dbs.counters)
 
 
 def read(txn: lmdb.Transaction, dbs: Dbs, namespace: bytes) -> dict[str, int]:
     out = {}
     for name in NAMES:
-        raw = txn.get(namespace + name.encode(), db=dbs.counters)
-        out[name] = _VALUE.unpack(raw)[0] if raw is not None else 0
+        out[name] = _value(txn.get(namespace + name.encode(), db=dbs.counters))
     return out

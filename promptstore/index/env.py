@@ -271,11 +271,26 @@ def _open(path: str, map_size: int, readonly: bool, sync: bool) -> Environment:
         raise IndexStoreError(f"cannot open LMDB index at {path}: {e}") from e
     try:
         env.reader_check()  # free reader slots left by crashed processes
-        dbs = _open_readonly_dbs(env, path) if readonly else _open_writable_dbs(env)
+        dbs = _open_dbs(env, path, readonly)
     except BaseException:
         env.close()
         raise
     return Environment(path, env, dbs, readonly)
+
+
+def _open_dbs(env: lmdb.Environment, path: str, readonly: bool) -> Dbs:
+    # Another process may grow the map between lmdb.open and the first
+    # transaction: adopt its size and try again.
+    for _ in range(8):
+        try:
+            return _open_readonly_dbs(env, path) if readonly else _open_writable_dbs(env)
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)
+        except lmdb.Error as e:
+            if isinstance(e, lmdb.NotFoundError):
+                raise
+            raise IndexStoreError(f"cannot open the databases of {path}: {e}") from e
+    raise IndexStoreError(f"LMDB map at {path} keeps being resized")
 
 
 def _open_writable_dbs(env: lmdb.Environment) -> Dbs:

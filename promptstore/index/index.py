@@ -279,12 +279,20 @@ class Index:
             lambda txn: trie.removable_leaf(txn, self._dbs, ns, key),
         )
 
-    def join_child(self, ns: Namespace, key: bytes, record: NodeRecord) -> Node:
+    def join_child(self, ns: Namespace, key: bytes, record: NodeRecord, expect=None) -> Node:
         """Merge node `key` with its only child into one node holding `record`
-        (NodeHasChildrenError if `key` is a branch point or a leaf)."""
+        (NodeHasChildrenError if `key` is a branch point or a leaf).
+
+        expect: the (node, child) the record was made from; StaleInsertError if
+        either changed since (another process split or joined them).
+        """
 
         def fits(txn):
             pair = trie.joinable(txn, self._dbs, ns, key)
+            if expect is not None and any(
+                (a.key, a.start, a.end) != (b.key, b.start, b.end) for a, b in zip(pair, expect)
+            ):
+                raise StaleInsertError(f"node {key.hex()} or its child changed since they were read")
             check_layout(ns, record)
             return pair
 

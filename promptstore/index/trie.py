@@ -128,7 +128,8 @@ def child_keys(txn: lmdb.Transaction, dbs: Dbs, parent: bytes) -> list[bytes]:
     for k, v in cursor:
         if bytes(k[: keys.KEY_SIZE]) != parent:
             break
-        out.append(bytes(v))
+        if len(v) == keys.KEY_SIZE:  # a damaged entry is no child
+            out.append(bytes(v))
     return out
 
 
@@ -170,6 +171,9 @@ def _child(
     if key is None:
         return None
     key = bytes(key)
+    if len(key) != keys.KEY_SIZE:
+        _report(corrupt, key, f"children entry of {len(key)} bytes is not a node key")
+        return None
     try:
         node = read_node(txn, dbs, key)
     except CorruptRecordError as e:

@@ -240,7 +240,11 @@ class ColdTier:
         """(relative path, bytes) of every published file."""
         for path in self.files.rglob(f"*{SUFFIX}"):
             if TEMP_MARK not in path.name:
-                yield str(path.relative_to(self.root)), path.stat().st_size
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError:
+                    continue  # removed by another process meanwhile
+                yield str(path.relative_to(self.root)), size
 
     def iter_temp_files(self) -> Iterator[Path]:
         for path in self.files.rglob(f"*{TEMP_MARK}*"):

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..errors import ColdFileError, CorruptRecordError, NodeHasChildrenError, NodeNotFoundError, PromptStoreError
+from ..errors import (ColdFileError, CorruptRecordError, NodeHasChildrenError, NodeNotFoundError,
+                      PromptStoreError, StaleInsertError)
 from ..snapshots.cold import TEMP_MARK
 from .store import PromptStore
 from .tiers import unfile
@@ -112,9 +113,12 @@ class Compactor:
         """Spill files a dead writer left under their temporary names."""
         for path in list(self.cold.iter_temp_files()):
             pid = _temp_pid(path)
-            if pid is not None and pid != os.getpid() and _pid_alive(pid):
-                continue  # still being written
-            size = path.stat().st_size
+            if pid is not None and (pid == os.getpid() or _pid_alive(pid)):
+                continue  # still being written (by another process, or this one's writer)
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
             if not self.dry:
                 path.unlink(missing_ok=True)
             self.report.add("temporary files", files=1, nbytes=size)
@@ -147,7 +151,10 @@ class Compactor:
             try:
                 self.cold.load(rel, key=node.key, namespace=node.namespace, start=node.start, end=node.end)
             except ColdFileError as e:
-                size = (self.cold.root / rel).stat().st_size if (self.cold.root / rel).exists() else 0
+                try:
+                    size = (self.cold.root / rel).stat().st_size
+                except OSError:
+                    size = 0
                 if not self.dry:
                     self.cold.quarantine(rel)
                     self._unfile(node)
@@ -244,8 +251,8 @@ class Compactor:
             "hits": max(node.record.hits, child.record.hits),
         })
         try:
-            self.index.join_child(ns, node.key, record)
-        except (NodeHasChildrenError, NodeNotFoundError):
+            self.index.join_child(ns, node.key, record, expect=(node, child))
+        except (NodeHasChildrenError, NodeNotFoundError, StaleInsertError):
             self.cold.delete(ref.path)  # the trie changed under us: keep it as it is
             return False
         for old in (node.record.file, child.record.file):

@@ -18,7 +18,8 @@ import numpy as np
 
 from .. import caches as C
 from ..caches import Snapshot
-from ..errors import CacheError, CorruptRecordError, KeyCollisionError, NodeNotFoundError, StaleInsertError
+from ..errors import (CacheError, CacheShapeError, CorruptRecordError, KeyCollisionError, NodeNotFoundError,
+                      StaleInsertError, UnsupportedCacheError)
 from ..index import LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens
 
 if TYPE_CHECKING:
@@ -81,6 +82,14 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def _leaves(caches):
+    for c in caches:
+        if hasattr(c, "caches"):
+            yield from _leaves(c.caches)
+        else:
+            yield c
+
+
 def split_for_edge(snapshot: Snapshot, at: int):
     """Split a stored node's snapshot where an edge is cut.
 
@@ -126,7 +135,9 @@ class Space:
             layers=[layer_spec(c, dtype) for c in template],
             salt=salt,
         )
-        return cls(store, model, store.index.register_namespace(spec), kwargs)
+        space = cls(store, model, store.index.register_namespace(spec), kwargs)
+        space.dtype = dtype
+        return space
 
     def new_cache(self) -> list:
         """Empty per-layer caches of this namespace's layout."""
@@ -224,6 +235,7 @@ class Space:
     def insert(self, tokens, cache: Sequence[Any], prefill_seconds: Optional[float] = None) -> int:
         """Store what `cache` (holding exactly `tokens`) adds; returns new tokens stored."""
         toks = as_tokens(tokens)
+        self._check_cache(cache)
         position = C.prompt_position(cache)
         if position != len(toks):
             raise CacheError(f"the cache holds {position} positions but {len(toks)} tokens were given")
@@ -242,11 +254,29 @@ class Space:
         self.tiers.report("insert", toks[:8].tobytes(), "gave up: the node to split has no data here")
         return 0
 
+    def _check_cache(self, cache) -> None:
+        """A list of this namespace's cache kinds and layouts, or a typed error."""
+        if not isinstance(cache, (list, tuple)) or not all(isinstance(c, C.SnapshotProtocol) for c in cache):
+            raise UnsupportedCacheError("insert takes the list of per-layer caches a model ran with "
+                                        "(promptstore caches: see caches.make_prompt_cache / adopt_prompt_cache)")
+        dtype = self.dtype
+        given = [layer_spec(c, dtype) for c in cache]
+        if given != list(self.namespace.spec.layers):
+            raise CacheShapeError(f"the cache's layout does not match namespace {self.namespace.hex[:12]}: "
+                                  f"{len(given)} layers of {[g.kind for g in given][:4]}...")
+        live = [c for c in _leaves(cache) if getattr(c, "keys", None) is not None]
+        for c in live:
+            keys = c.keys[0] if isinstance(c.keys, tuple) else c.keys
+            if str(keys.dtype).rsplit(".", 1)[-1] != dtype and not isinstance(c.keys, tuple):
+                raise CacheShapeError(f"cache arrays are {keys.dtype}, the namespace's model runs in {dtype}")
+
     def _heal(self, plan, cache, position: int) -> None:
         """Nodes on the path whose data is nowhere (a writer died before spilling
         them) are stored again from `cache`, which holds their tokens."""
         for node in plan.match.path:
-            if node.end > position or self.tiers.has(node):
+            # Only nodes these tokens match to their end: a node the tokens
+            # diverge inside holds another prompt's positions.
+            if node.end > min(position, plan.match.matched) or self.tiers.has(node):
                 continue
             snaps = self._snap_node(cache, node, position)
             record = self._record(snaps, None, node.end - node.start)
@@ -255,7 +285,7 @@ class Space:
                 self.index.update_record(node.key, record, expect=lambda n: (n.start, n.end) == span and not n.record.file)
             except (StaleInsertError, NodeNotFoundError, CorruptRecordError):
                 continue
-            self.tiers.put(self.index.get(node.key), snaps, record.prefill_seconds)
+            self._put(node.key, (node.start, node.end), snaps, record.prefill_seconds)
             self.tiers.counts["healed"] += 1
 
     def _snap_node(self, cache, node: Node, position: int) -> list:
@@ -284,7 +314,7 @@ class Space:
         if plan.split is not None:
             self._place_split(plan, uppers, lowers, split_file)
         if new is not None:
-            self.tiers.put(self.index.get(result.key), new, record.prefill_seconds)
+            self._put(result.key, (start, end), new, record.prefill_seconds)
         if fill is not None:
             fill()
         return end - start  # the index counts tokens_stored itself
@@ -324,10 +354,18 @@ class Space:
         self.tiers.forget(plan.split.key)
         if old_file:
             self.tiers.cold.delete(old_file)  # it spans the old edge: no record names it now
-        for key, snaps in ((plan.split.upper_key, uppers), (plan.split.key, lowers)):
-            node = self._node(key)
-            if node is not None:
-                self.tiers.put(node, snaps, node.record.prefill_seconds)
+        split = plan.split
+        for key, span, snaps in ((split.upper_key, (split.start, split.at), uppers),
+                                 (split.key, (split.at, split.end), lowers)):
+            self._put(key, span, snaps, None)
+
+    def _put(self, key: bytes, span: tuple[int, int], snaps, seconds) -> None:
+        """Hold snapshots for the span they were made for; if another process
+        changed the node since, they are not its data."""
+        node = self._node(key)
+        if node is None or (node.start, node.end) != span:
+            return
+        self.tiers.put(node, snaps, node.record.prefill_seconds if seconds is None else seconds)
 
     def _fill_checkpoint(self, plan, cache):
         """All tokens are stored and end at a node: fill its missing whole-state layers."""
@@ -353,7 +391,7 @@ class Space:
             new_record = self._record(merged, record.prefill_seconds, 0)
             self.index.update_record(node.key, new_record.model_copy(update={"file": None}))
             self.tiers.forget(node.key)
-            self.tiers.put(self.index.get(node.key), merged, record.prefill_seconds)
+            self._put(node.key, (node.start, node.end), merged, record.prefill_seconds)
 
         return fill
 

@@ -83,11 +83,13 @@ class PromptStore:
         """Put everything on disk (whatever the durability) and close the index."""
         if not self._closed:
             self._closed = True
-            for space in self.spaces:
-                space.flush_stats()
-            self.tiers.close()
-            self.index.close()
-            self._lock.close()  # releases the flock
+            try:
+                for space in self.spaces:
+                    space.flush_stats()
+                self.tiers.close()
+            finally:
+                self.index.close()
+                self._lock.close()  # releases the flock
 
     def try_exclusive(self) -> bool:
         """Hold the store's lock exclusively if no other process has it open."""
@@ -123,16 +125,26 @@ class PromptStore:
 
 
 def _lock_file(root: Path):
-    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
     return os.fdopen(fd, "r+")
 
 
 def _prepare(root: Path, mode: int) -> None:
     if root.is_symlink():
         raise StoreDirectoryError(f"{root} is a symlink; refusing to use it as a store")
-    root.mkdir(mode=mode, parents=True, exist_ok=True)
+    try:
+        root.mkdir(mode=mode, parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreDirectoryError(f"cannot use {root} as a store: {e.strerror or e}") from None
     info = root.stat()
     if not stat.S_ISDIR(info.st_mode):
         raise StoreDirectoryError(f"{root} is not a directory")
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
         raise StoreDirectoryError(f"{root} belongs to another user")
+    if info.st_mode & 0o022:
+        # Others could plant symlinks for the store to follow: refuse.
+        raise StoreDirectoryError(f"{root} is writable by others (mode {oct(stat.S_IMODE(info.st_mode))}); "
+                                  "make it private (chmod 700)")
+    for name in ("index", "cold", "lock"):
+        if (root / name).is_symlink():
+            raise StoreDirectoryError(f"{root / name} is a symlink; refusing to follow it")

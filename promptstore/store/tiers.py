@@ -77,7 +77,7 @@ class Tiers:
         elif mode == "write_through":
             self._submit(self._job(node.key, snapshots, meta))
         for entry in evicted:
-            if entry.dirty:
+            if entry.dirty and not (entry.key == node.key and mode != "write_back"):
                 self._submit(self._job(entry.key, entry.snapshots, entry.meta))
 
     def forget(self, key: bytes) -> None:
@@ -160,10 +160,16 @@ class Tiers:
     # --- the writer's callbacks (writer thread) -----------------------------------
 
     def _publish(self, job: SpillJob) -> None:
-        with self.lock:
-            if self.pending.get(job.key) is job:
-                del self.pending[job.key]
-            self.stranded.pop(job.key, None)
+        try:
+            self._record_file(job)
+        finally:
+            # Only now: until the index names the file, the job is what serves the node.
+            with self.lock:
+                if self.pending.get(job.key) is job:
+                    del self.pending[job.key]
+                self.stranded.pop(job.key, None)
+
+    def _record_file(self, job: SpillJob) -> None:
         ref = job.ref
         try:
             node = self.index.get(job.key)
