@@ -41,6 +41,11 @@ bench: setup
 bench-anchors: setup
 	$(BLAS_ENV) $(BIN)/python tools/bench/bench_anchors.py
 
+# Longer fault, corruption and concurrency runs; prints figures, writes bench-results/soak.json.
+soak: setup
+	$(BIN)/python tools/soak.py
+	$(BIN)/python -m pytest -q -m slow tests/reliability tests/store
+
 openblas:
 	@test -f $(OPENBLAS) || (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread)
 

@@ -1,0 +1,500 @@
+#!/usr/bin/env python3
+"""Soak runs of promptstore's failure handling: crash injection, corruption fuzz
+and multi-process load. Prints figures and writes JSON (bench-results/soak.json).
+
+    tools/soak.py                 moderate: a few minutes on 2 cores
+    tools/soak.py --quick         about a minute
+    tools/soak.py --minutes 10    each selected section runs about 10 minutes
+    tools/soak.py --only fuzz --fuzz-cases 2000
+
+Sections (goals in brackets):
+  crash        a writer (tests/store/_crash_worker.py) SIGKILLed at random instants, then
+               the store reopened and every hit checked: corrupt hits [0], failed opens [0],
+               fetch errors [0]; afterwards compact --verify [not failed] and a re-check.
+  fuzz         a copy of a built store damaged once per case (bit flips, truncation,
+               extension, zeroed ranges, swapped or replaced snapshot files; bit flips,
+               truncation, swaps, deletion of LMDB values), then opened and probed:
+               exceptions escaped [0], wrong state served [0]; detected / harmless counted.
+               (Damage to LMDB's own pages is out of scope: LMDB has no page checksums.)
+  concurrency  P processes x N mixed fetch / insert / compact / reopen operations on one
+               store (tests/reliability/_mixed_worker.py): errors [0], unverified hits [0].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the test helpers are reused as they are
+
+TOL = 1e-4
+
+
+def now() -> float:
+    return time.monotonic()
+
+
+class Budget:
+    """A count of cases, or a time limit when minutes are given."""
+
+    def __init__(self, count: int, minutes: float | None):
+        self.count, self.deadline = count, (now() + 60 * minutes) if minutes else None
+        self.done = 0
+
+    def more(self) -> bool:
+        if self.deadline is not None:
+            return now() < self.deadline
+        return self.done < self.count
+
+
+def signature(e: BaseException) -> str:
+    """Exception type plus the innermost promptstore frame: groups equal failures."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "promptstore" in f.filename]
+    where = f" at {'/'.join(frames[-1].filename.split('/')[-2:])}:{frames[-1].lineno}" if frames else ""
+    return f"{type(e).__name__}{where}"
+
+
+# --- crash injection ---------------------------------------------------------------------------
+
+
+def crash(args, work: Path) -> dict:
+    from promptstore.snapshots.cold import TEMP_MARK
+    from promptstore.store.compact import compact
+    from tests.store.test_crash import Checker, Writer
+
+    out = {}
+    for durability in args.crash_durability:
+        root, logs = work / f"crash-{durability}", work / f"crash-{durability}-logs"
+        logs.mkdir(parents=True)
+        rng = random.Random(args.seed)
+        checker = Checker(args.seed)
+        checker.check(root)  # creates the store; all misses
+        budget = Budget(args.crash_trials, args.minutes)
+        started = now()
+        pending = Writer(root, durability, args.seed * 1000, logs)
+        while True:
+            writer = pending
+            writer.expect("imported", timeout=120)
+            writer.go()
+            writer.expect("ready", timeout=60)
+            budget.done += 1
+            last = not budget.more()
+            pending = None if last else Writer(root, durability, args.seed * 1000 + budget.done, logs)
+            time.sleep(rng.uniform(0.2, 2.5))
+            died = writer.proc.poll()
+            checker.stats["inserts"] += writer.kill()
+            if died is not None:
+                checker.stats["writer_died"] += 1
+                checker.reports.append(("writer", (died, writer.errors())))
+            checker.stats["trials"] += 1
+            checker.check(root)
+            if last:
+                break
+        stats = Counter(checker.stats)
+        cold = root / "cold"
+        stats["temp_leftovers"] = sum(1 for _ in (cold / "files").rglob(f"*{TEMP_MARK}*"))
+        stats["quarantined"] = sum(1 for _ in (cold / "quarantine").iterdir())
+        try:
+            report = compact(root, verify=True, max_bytes=1 << 30)
+            stats["compact_status"] = report.status
+            stats["compact_reclaimed_files"] = sum(v["files"] for v in report.actions.values())
+        except Exception as e:  # noqa: BLE001 - reported
+            stats["compact_status"] = f"raised {signature(e)}"
+        after = Checker(args.seed + 1)
+        after.check(root)
+        stats["after_compact_corrupt_hits"] = after.stats.get("corrupt_hits", 0)
+        stats["after_compact_fetch_errors"] = after.stats.get("fetch_errors", 0)
+        stats["after_compact_hits"] = after.stats.get("hits", 0)
+        stats["seconds"] = round(now() - started, 1)
+        problems = [r for r in checker.reports if r[0] != "report" or r[1][0] != "missing"]
+        out[durability] = {**dict(stats), "problems": [repr(p)[:300] for p in problems[:10]]}
+        print(f"  crash[{durability}]: trials={stats['trials']} inserts={stats['inserts']} "
+              f"fetches={stats['fetches']} hits={stats['hits']} corrupt_hits={stats.get('corrupt_hits', 0)} "
+              f"failed_opens={stats.get('failed_opens', 0)} fetch_errors={stats.get('fetch_errors', 0)} "
+              f"quarantined={stats['quarantined']} compact={stats['compact_status']} "
+              f"after_compact_corrupt_hits={stats['after_compact_corrupt_hits']} ({stats['seconds']} s)",
+              flush=True)
+    totals = Counter()
+    for d in out.values():
+        for k in ("trials", "corrupt_hits", "failed_opens", "fetch_errors", "after_compact_corrupt_hits"):
+            totals[k] += d.get(k, 0)
+    return {"by_durability": out, "totals": dict(totals)}
+
+
+# --- corruption fuzz ---------------------------------------------------------------------------
+
+
+class FuzzStore:
+    """A built store, the probes to run against copies of it, and their reference logits."""
+
+    def __init__(self, work: Path, seed: int):
+        import mlx.core as mx
+
+        from promptstore import PromptStore
+        from promptstore.caches import make_prompt_cache
+        from promptstore.testing.models import tiny_model
+        from tests.reliability._mixed_worker import sequences
+
+        self.mx, self.PromptStore = mx, PromptStore
+        self.model = tiny_model("llama")
+        self.root = work / "fuzz-base"
+        rng = random.Random(seed)
+        seqs = [mx.array(s, dtype=mx.uint32) for s in sequences()[::2]]
+        with PromptStore.open(self.root, durability="sync") as store:
+            space = store.namespace(self.model, model_id="fuzz")
+            for tokens in seqs:
+                for n in sorted({rng.randint(8, tokens.size - 1), tokens.size}):
+                    hit = space.fetch(tokens[:n])
+                    self.forward(hit.cache, tokens[hit.length:n])
+                    space.insert(tokens[:n], hit.cache)
+        self.probes = []
+        for tokens in seqs:
+            for n in (tokens.size, (tokens.size * 2) // 3, 30):
+                self.probes.append(tokens[:n])
+        self.want = [self.forward(make_prompt_cache(self.model), p) for p in self.probes]
+        self.baseline = self.serve(self.root)["lengths"]
+        self.files = sorted((self.root / "cold" / "files").rglob("*.safetensors"))
+        assert all(self.baseline) and self.files
+
+    def forward(self, cache, tokens):
+        logits = self.model(tokens[None], cache=cache)[:, -1, :]
+        self.mx.eval(logits)
+        return logits
+
+    def serve(self, root: Path) -> dict:
+        """Open, fetch every probe, check every hit. Never raises: outcomes are counted."""
+        from promptstore.errors import PromptStoreError
+
+        res = {"lengths": [], "wrong": 0, "escaped": [], "refused": None, "reports": Counter()}
+        try:
+            store = self.PromptStore.open(root, hot_bytes=0)
+        except PromptStoreError as e:
+            res["refused"] = signature(e)
+            return res
+        except Exception as e:  # noqa: BLE001
+            res["escaped"].append(f"open: {signature(e)}")
+            return res
+        try:
+            try:
+                space = store.namespace(self.model, model_id="fuzz")
+            except PromptStoreError as e:
+                res["refused"] = signature(e)
+                return res
+            for probe, want in zip(self.probes, self.want):
+                try:
+                    hit = space.fetch(probe)
+                except Exception as e:  # noqa: BLE001 - fetch must never raise
+                    res["escaped"].append(f"fetch: {signature(e)}")
+                    res["lengths"].append(0)
+                    continue
+                res["lengths"].append(hit.length)
+                if hit.length:
+                    got = self.forward(hit.cache, probe[hit.length:])
+                    if not self.mx.abs(got - want).max().item() < TOL:
+                        res["wrong"] += 1
+            for r in store.tiers.reports:
+                res["reports"][r.reason] += 1
+        except Exception as e:  # noqa: BLE001
+            res["escaped"].append(f"namespace: {signature(e)}")
+        finally:
+            try:
+                store.close()
+            except Exception as e:  # noqa: BLE001
+                res["escaped"].append(f"close: {signature(e)}")
+        return res
+
+
+def _flip_bits(raw: bytes, rng, lo: int = 0) -> bytes:
+    data = bytearray(raw)
+    for _ in range(rng.randint(1, 8)):
+        i = rng.randrange(lo, len(data))
+        data[i] ^= 1 << rng.randrange(8)
+    return bytes(data)
+
+
+def damage_file(case_root: Path, fz: FuzzStore, rng) -> str:
+    files = sorted((case_root / "cold" / "files").rglob("*.safetensors"))
+    path = rng.choice(files)
+    raw = path.read_bytes()
+    kind = rng.choice(["bit flips", "bit flips in header", "truncate", "extend", "zero range", "swap", "replace"])
+    header = 8 + int.from_bytes(raw[:8], "little") if len(raw) >= 8 else len(raw)
+    if kind == "bit flips":
+        path.write_bytes(_flip_bits(raw, rng))
+    elif kind == "bit flips in header":
+        path.write_bytes(_flip_bits(raw[:header], rng) + raw[header:])
+    elif kind == "truncate":
+        path.write_bytes(raw[: rng.randrange(len(raw))])
+    elif kind == "extend":
+        path.write_bytes(raw + rng.randbytes(rng.randint(1, 4096)))
+    elif kind == "zero range":
+        i = rng.randrange(len(raw))
+        j = min(len(raw), i + rng.randint(1, 512))
+        path.write_bytes(raw[:i] + bytes(j - i) + raw[j:])
+    else:
+        other = rng.choice([f for f in files if f != path] or [path])
+        if kind == "swap":
+            other_raw = other.read_bytes()
+            other.write_bytes(raw)
+        else:
+            other_raw = other.read_bytes()
+        path.write_bytes(other_raw)
+    return f"file {kind}"
+
+
+def damage_lmdb(case_root: Path, rng) -> str:
+    import lmdb
+
+    env = lmdb.open(str(case_root / "index"), max_dbs=16, subdir=True)
+    try:
+        name = rng.choice([b"nodes"] * 4 + [b"edges"] * 2 + [b"children"] * 2 + [b"namespaces", b"counters", b"access", b"meta"])
+        kind = rng.choice(["bit flips", "truncate", "swap", "delete", "garbage"])
+        with env.begin(write=True) as txn:
+            db = env.open_db(name, txn=txn)
+            items = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)]
+            if not items:
+                return f"lmdb {name.decode()} empty"
+            key, value = rng.choice(items)
+            if kind == "bit flips":
+                txn.put(key, _flip_bits(value, rng) if value else b"\x01", db=db)
+            elif kind == "truncate":
+                txn.put(key, value[: rng.randrange(max(1, len(value)))], db=db)
+            elif kind == "swap":
+                other_key, other_value = rng.choice(items)
+                txn.put(key, other_value, db=db)
+                txn.put(other_key, value, db=db)
+            elif kind == "delete":
+                txn.delete(key, db=db)
+            else:
+                txn.put(key, rng.randbytes(rng.randint(1, 64)), db=db)
+        return f"lmdb {name.decode()} {kind}"
+    finally:
+        env.close()
+
+
+def fuzz(args, work: Path) -> dict:
+    from promptstore.errors import PromptStoreError
+    from promptstore.store.compact import compact
+
+    started = now()
+    fz = FuzzStore(work, args.seed)
+    compact_errors: Counter = Counter()
+    rng = random.Random(args.seed)
+    budget = Budget(args.fuzz_cases, args.minutes)
+    totals: Counter = Counter()
+    by_damage: dict[str, Counter] = {}
+    escapes: Counter = Counter()
+    wrong_cases: list = []
+    previous = None
+    while budget.more():
+        budget.done += 1
+        # A fresh path per case: a store whose close() failed stays registered in this
+        # process (its LMDB environment and lock), and must not meet the next case's files.
+        case_root = work / f"fuzz-case-{budget.done}"
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        previous = case_root
+        shutil.copytree(fz.root, case_root)
+        what = damage_file(case_root, fz, rng) if rng.random() < 0.6 else damage_lmdb(case_root, rng)
+        res = fz.serve(case_root)
+        compact_escape = None
+        try:
+            report = compact(case_root, verify=True, max_bytes=1 << 30)
+            compact_found = report.changed
+            if report.status == "failed":
+                totals["compact_failed"] += 1
+                compact_errors[f"{what}: {'; '.join(report.errors)[:160]}"] += 1
+        except PromptStoreError as e:  # a typed refusal (e.g. a schema it cannot read)
+            totals["compact_refused"] += 1
+            compact_found = True
+            compact_errors[f"{what}: refused: {signature(e)}"] += 1
+        except Exception as e:  # noqa: BLE001
+            compact_escape, compact_found = f"compact: {signature(e)}", False
+        after = fz.serve(case_root)  # what compact leaves must serve as safely
+        escaped = res["escaped"] + after["escaped"] + ([compact_escape] if compact_escape else [])
+        wrong = res["wrong"] + after["wrong"]
+        shorter = any(a < b for a, b in zip(res["lengths"], fz.baseline))
+        detected = bool(res["refused"] or sum(res["reports"].values()) or shorter or compact_found)
+        outcome = "escaped" if escaped else "wrong" if wrong else "detected" if detected else "harmless"
+        row = by_damage.setdefault(what, Counter())
+        row[outcome] += 1
+        totals["cases"] += 1
+        totals[outcome] += 1
+        totals["refused_at_open"] += bool(res["refused"])
+        totals["wrong_hits"] += wrong
+        for e in escaped:
+            escapes[f"{what}: {e}"] += 1
+        if wrong and len(wrong_cases) < 10:
+            wrong_cases.append(what)
+    result = {
+        "cases": totals["cases"],
+        "detected": totals["detected"],
+        "harmless": totals["harmless"],
+        "exceptions_escaped": totals["escaped"],
+        "wrong_state_served": totals["wrong"],
+        "wrong_hits": totals["wrong_hits"],
+        "refused_at_open": totals["refused_at_open"],
+        "compact_failed": totals["compact_failed"],
+        "compact_refused": totals["compact_refused"],
+        "compact_errors": dict(compact_errors.most_common(20)),
+        "escapes": dict(escapes.most_common(20)),
+        "wrong_cases": wrong_cases,
+        "by_damage": {k: dict(v) for k, v in sorted(by_damage.items())},
+        "nodes_files": len(fz.files),
+        "probes": len(fz.probes),
+        "seconds": round(now() - started, 1),
+    }
+    print(f"  fuzz: cases={result['cases']} detected={result['detected']} harmless={result['harmless']} "
+          f"exceptions_escaped={result['exceptions_escaped']} wrong_state_served={result['wrong_state_served']} "
+          f"(refused at open: {result['refused_at_open']}, compact failed: {result['compact_failed']}, "
+          f"compact refused: {result['compact_refused']}; "
+          f"{result['seconds']} s)", flush=True)
+    for k, v in result["escapes"].items():
+        print(f"    escaped ({v} times): {k}")
+    for k, v in result["compact_errors"].items():
+        print(f"    compact ({v} times): {k}")
+    for k, v in result["by_damage"].items():
+        print(f"    {k:32s} {v}")
+    return result
+
+
+# --- concurrency ---------------------------------------------------------------------------------
+
+
+def error_kind(e: str) -> str:
+    """'op: Type: message at file:line (function)' -> 'op: Type at file:line (function)'."""
+    if e.startswith("worker exited"):
+        return e.split(":", 1)[0] + " " + (e.strip().splitlines()[-1][:120] if "\n" in e else "")
+    op, _, rest = e.partition(": ")
+    kind = rest.split(":", 1)[0]
+    where = rest.rsplit(" at ", 1)[1] if " at " in rest else ""
+    return f"{op}: {kind} {where}".strip()
+
+
+def concurrency(args, work: Path) -> dict:
+    from tests.reliability.test_concurrency import check_store, run_workers
+
+    rounds, started = [], now()
+    budget = Budget(1, args.minutes)
+    while budget.more():
+        budget.done += 1
+        root = work / f"concurrency-{budget.done}"
+        run = run_workers(root, ops=args.ops, procs=args.procs, seed=args.seed + budget.done, timeout=3600)
+        final = check_store(root)
+        errors = Counter(error_kind(e) for w in run["workers"] for e in w["errors"])
+        rounds.append({**run["totals"], "final": final, "error_kinds": dict(errors),
+                       "unverified_examples": [u for w in run["workers"] for u in w["unverified"]][:5],
+                       "seconds": run["seconds"]})
+        t = run["totals"]
+        print(f"  concurrency round {budget.done}: {args.procs}x{args.ops} ops={t.get('ops', 0)} "
+              f"fetches={t.get('fetches', 0)} hits={t.get('hits', 0)} inserts={t.get('inserts', 0)} "
+              f"compacts={t.get('compacts', 0)} reopens={t.get('reopens', 0)} errors={t['errors']} "
+              f"unverified={t['unverified']} | after: unverified={final['unverified']} "
+              f"quarantined={final['quarantined']} compact_failed={final['compact_failed']} ({run['seconds']} s)",
+              flush=True)
+        for k, v in errors.items():
+            print(f"    error x{v}: {k}")
+    totals = Counter()
+    for r in rounds:
+        for k in ("ops", "errors", "unverified"):
+            totals[k] += r.get(k, 0)
+        totals["final_unverified"] += r["final"]["unverified"]
+        totals["quarantined"] += r["final"]["quarantined"]
+    return {"procs": args.procs, "ops_per_proc": args.ops, "rounds": rounds, "totals": dict(totals),
+            "seconds": round(now() - started, 1)}
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--quick", action="store_true", help="a short run (about a minute)")
+    p.add_argument("--only", default="crash,fuzz,concurrency", help="comma-separated sections")
+    p.add_argument("--minutes", type=float, help="run each section about this long (counts are then ignored)")
+    p.add_argument("--crash-trials", type=int, help="SIGKILL trials per durability (default 8; quick 2)")
+    p.add_argument("--crash-durability", default="sync,write_through,write_back")
+    p.add_argument("--fuzz-cases", type=int, help="damaged copies to probe (default 200; quick 30)")
+    p.add_argument("--procs", type=int, default=4, help="concurrent processes")
+    p.add_argument("--ops", type=int, help="operations per process (default 150; quick 40)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default=str(REPO / "bench-results" / "soak.json"))
+    p.add_argument("--work", help="scratch directory (default: a new temporary one, removed afterwards)")
+    p.add_argument("--verbose", action="store_true", help="show promptstore's warnings (misses are counted either way)")
+    args = p.parse_args(argv)
+    args.crash_trials = args.crash_trials or (2 if args.quick else 8)
+    args.fuzz_cases = args.fuzz_cases or (30 if args.quick else 200)
+    args.ops = args.ops or (40 if args.quick else 150)
+    args.crash_durability = args.crash_durability.split(",")
+    if args.quick and "--crash-durability" not in " ".join(argv or sys.argv):
+        args.crash_durability = ["sync", "write_through"]
+    args.only = [s for s in args.only.split(",") if s]
+    unknown = set(args.only) - {"crash", "fuzz", "concurrency"}
+    if unknown:
+        p.error(f"unknown sections: {sorted(unknown)}")
+    return args
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "mlx": md.version("mlx"), "mlx_lm": md.version("mlx-lm"), "lmdb": md.version("lmdb")}
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if not args.verbose:
+        logging.getLogger("promptstore").setLevel(logging.CRITICAL)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="promptstore-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "work", "verbose")}
+    print(f"soak: {config}", flush=True)
+    result = {"config": config, "environment": environment(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    started = now()
+    sections = {"crash": crash, "fuzz": fuzz, "concurrency": concurrency}
+    try:
+        for name in args.only:
+            print(f"{name}:", flush=True)
+            t0 = now()
+            result[name] = sections[name](args, work)
+            print(f"  ({name}: {now() - t0:.0f} s)", flush=True)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    result["seconds"] = round(now() - started, 1)
+    goals = {
+        "crash_corrupt_hits": result.get("crash", {}).get("totals", {}).get("corrupt_hits"),
+        "crash_failed_opens": result.get("crash", {}).get("totals", {}).get("failed_opens"),
+        "crash_fetch_errors": result.get("crash", {}).get("totals", {}).get("fetch_errors"),
+        "fuzz_exceptions_escaped": result.get("fuzz", {}).get("exceptions_escaped"),
+        "fuzz_wrong_state_served": result.get("fuzz", {}).get("wrong_state_served"),
+        "concurrency_errors": result.get("concurrency", {}).get("totals", {}).get("errors"),
+        "concurrency_unverified": result.get("concurrency", {}).get("totals", {}).get("unverified"),
+    }
+    result["goals"] = {k: v for k, v in goals.items() if v is not None}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    met = all(v == 0 for v in result["goals"].values())
+    print(f"goals (all 0 is a pass): {result['goals']} -> {'PASS' if met else 'FAIL'}")
+    print(f"wrote {out} ({result['seconds']} s)")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
