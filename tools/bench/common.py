@@ -182,10 +182,15 @@ def write_results(path: str | Path, payload: dict, blas: dict) -> Path:
     if not out.is_absolute():
         out = REPO_ROOT / out
     out.parent.mkdir(parents=True, exist_ok=True)
+    blas = dict(blas, libraries=[Path(p).name for p in blas.get("libraries", [])])
+    if blas.get("cblas_sgemm_from"):
+        blas["cblas_sgemm_from"] = Path(blas["cblas_sgemm_from"]).name
+    if blas.get("ld_preload"):
+        blas["ld_preload"] = Path(blas["ld_preload"]).name
     doc = {
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "blas": blas,
+        "blas": blas,  # library file names only: no paths of the machine that ran it
         **payload,
     }
     out.write_text(json.dumps(doc, indent=2) + "\n")
