@@ -122,6 +122,7 @@ class ColdTier:
             os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode))
             mx.save_safetensors(str(temp), arrays, metadata)
             self._sync_file(temp)
+            size = temp.stat().st_size  # before the rename: the file may go at once after it
             os.replace(temp, final)
             self._sync_dir(final.parent)
         except OSError as e:
@@ -131,7 +132,7 @@ class ColdTier:
             self._discard(locals().get("temp"))
             raise DiskWriteError(f"could not write {rel}: {e}") from e
         digest = xxhash.xxh3_128_hexdigest(json.dumps(sums, sort_keys=True).encode())
-        return FileRef(rel, final.stat().st_size, digest)
+        return FileRef(rel, size, digest)
 
     def _sync_file(self, path: Path) -> None:
         if self.fsync:

@@ -27,7 +27,7 @@ from promptstore.index import NodeRecord
 from promptstore.snapshots.cold import TEMP_MARK
 from promptstore.store.compact import compact
 
-from ..conftest import _model, prompt_tokens
+from ..conftest import _model, forward, fresh_cache, prompt_tokens
 from ._mixed_worker import MODEL_ID, sequences
 from ._util import TOL, continuation_error, prefill_insert
 
@@ -90,8 +90,9 @@ def summary(run: dict, final: dict) -> str:
 
 
 # Out of the default run: after the fixes of this session it passed in 5 of 6
-# runs; one run had a worker error whose cause is not yet known (make test-slow
-# and tools/soak.py run it).
+# runs; the failing run's worker error (FileNotFoundError from cold.py write inside
+# compact) is two compacts merging the same chain: see the two xfail tests at the
+# end of this file (make test-slow and tools/soak.py run it).
 @pytest.mark.slow
 def test_four_processes_mixed_operations(tmp_path, capsys):
     run = run_workers(tmp_path, ops=50)
@@ -242,3 +243,66 @@ def test_compact_joins_only_the_pair_it_merged(tmp_path, monkeypatch):
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
         length, err = continuation_error(store.namespace(model, model_id="m"), model, BASE[:50])
         assert (length, list(store.tiers.reports)) == (48, []) and err < TOL
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "store/compact.py Compactor._join names the merged file after the child's key and the "
+    "joined span (cold.relative_path), so two compacts (two processes) merging the same chain "
+    "write the same path; the one whose join_child is refused then runs "
+    "self.cold.delete(ref.path) and deletes the file the winner's record names: the whole "
+    "joined prefix is a 'missing' miss from then on. This, with the race below, is the "
+    "'worker error of unknown cause' of the 4-process run (FileNotFoundError from cold.py "
+    "write's final.stat() inside compact). Fix: write the merged file under a name unique to "
+    "this attempt (e.g. with a random suffix) or delete it on refusal only if no record names it"))
+def test_two_compacts_merging_the_same_chain(tmp_path, monkeypatch):
+    from promptstore.index import Index
+
+    model = _model("llama")
+    with PromptStore.open(tmp_path, durability="sync") as store:
+        space = store.namespace(model, model_id="m")
+        prefill_insert(space, model, BASE[:24])
+        prefill_insert(space, model, BASE[:48])  # a chain: [0, 24) -> [24, 48)
+    real = Index.join_child
+    other_compact = []
+
+    def another_process_compacts_first(self, *args, **kwargs):
+        if not other_compact:
+            other_compact.append(True)
+            other_compact.append(compact(tmp_path, max_bytes=1 << 30))  # merges the same chain
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Index, "join_child", another_process_compacts_first)
+    with PromptStore.open(tmp_path):  # a process using the store: neither compact runs alone
+        report = compact(tmp_path, max_bytes=1 << 30)
+    monkeypatch.undo()
+    assert other_compact[1].actions.get("merged chains", {}).get("nodes") == 1
+    assert report.status != "failed", report.errors
+    with PromptStore.open(tmp_path, hot_bytes=0) as store:
+        length, err = continuation_error(store.namespace(model, model_id="m"), model, BASE[:50])
+        assert (length, list(store.tiers.reports)) == (48, []) and err < TOL
+
+
+def test_a_file_removed_right_after_its_rename_is_a_disk_write_error(tmp_path, monkeypatch):
+    from promptstore.errors import DiskWriteError
+    from promptstore.snapshots.cold import ColdTier
+
+    model = _model("llama")
+    cache = fresh_cache(model)
+    forward(model, cache, BASE[:10])
+    snaps = [c.snapshot(0) for c in cache]
+    tier = ColdTier(tmp_path / "cold")
+    real_sync_dir = ColdTier._sync_dir
+
+    def renamed_then_removed_by_another_process(self, path):
+        real_sync_dir(self, path)
+        for f in path.glob("*.safetensors"):
+            f.unlink()
+
+    monkeypatch.setattr(ColdTier, "_sync_dir", renamed_then_removed_by_another_process)
+    # Either the write reports success (the file was published; its later load is
+    # a reported miss) or a DiskWriteError: never a bare FileNotFoundError.
+    try:
+        ref = tier.write(b"k" * 16, b"n" * 16, 0, 10, snaps)
+        assert ref.nbytes > 0
+    except DiskWriteError:
+        pass

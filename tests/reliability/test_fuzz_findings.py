@@ -89,3 +89,37 @@ def test_a_damaged_children_entry_is_a_miss(tmp_path, value):
         length, err = continuation_error(space, model, tokens)
         assert length == 0 and err < TOL
     assert compact(tmp_path, max_bytes=1 << 30).status != "failed"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "store/compact.py merge_chains/_join trust Index.children(): a damaged children entry that "
+    "names another node of the namespace (the fuzz: 'lmdb children swap') gives a node a "
+    "'child' that does not start at its end; _join merges their snapshots and merge_chain "
+    "raises SnapshotRangeError, so the merge_chains step aborts and every compact run reports "
+    "status 'failed' (exit code) from then on, repairing nothing there. Fetch copes (a "
+    "reported miss: trie._child checks parent and start). Fix: have Index.children / "
+    "_nodes_at apply _child's checks (parent, start), or skip such a child in _join, and let "
+    "compact drop the mislinked entry"))
+def test_a_mislinked_children_entry_does_not_fail_every_compact(tmp_path):
+    model = _model("llama")
+    base = prompt_tokens(63, seed=70)
+    with PromptStore.open(tmp_path, durability="sync") as store:
+        space = store.namespace(model, model_id="m")
+        for n in (24, 40, 63):
+            prefill_insert(space, model, base[:n])  # a chain [0, 24) -> [24, 40) -> [40, 63)
+        nodes = {n.end: n for n in store.index.iter_nodes(space.namespace)}
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=16)
+    try:
+        with env.begin(write=True) as txn:
+            db = env.open_db(b"children", txn=txn)
+            entry = nodes[24].key + int(base[24].item()).to_bytes(4, "big")
+            assert txn.get(entry, db=db) == nodes[40].key
+            txn.put(entry, nodes[63].key, db=db)  # [0, 24)'s child entry now names [40, 63)
+    finally:
+        env.close()
+    with PromptStore.open(tmp_path, hot_bytes=0) as store:
+        length, err = continuation_error(store.namespace(model, model_id="m"), model, base)
+        assert length == 24 and err < TOL  # fetch already copes
+    for run in range(2):  # not just once: every later run hit the same entry
+        report = compact(tmp_path, max_bytes=1 << 30)
+        assert report.status != "failed", (run, report.errors)
