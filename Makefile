@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 
-.PHONY: setup demo test test-slow bench bench-anchors soak openblas clean
+.PHONY: setup demo test test-slow bench bench-anchors soak soak-quick openblas clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,9 @@ bench-anchors: setup
 soak: setup
 	$(BIN)/python tools/soak.py
 	$(BIN)/python -m pytest -q -m slow tests/reliability tests/store
+
+soak-quick: setup
+	$(BIN)/python tools/soak.py --quick
 
 openblas:
 	@test -f $(OPENBLAS) || (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread)

@@ -91,8 +91,8 @@ def summary(run: dict, final: dict) -> str:
 
 # Out of the default run: after the fixes of this session it passed in 5 of 6
 # runs; the failing run's worker error (FileNotFoundError from cold.py write inside
-# compact) is two compacts merging the same chain: see the two xfail tests at the
-# end of this file (make test-slow and tools/soak.py run it).
+# compact) came from two compacts merging the same chain: see
+# test_two_compacts_merging_the_same_chain (make test-slow and tools/soak.py run it).
 @pytest.mark.slow
 def test_four_processes_mixed_operations(tmp_path, capsys):
     run = run_workers(tmp_path, ops=50)
