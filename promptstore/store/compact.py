@@ -219,7 +219,9 @@ class Compactor:
                     if node is None or (node.start, node.end) != (listed.start, listed.end):
                         continue
                     kids = self.index.children(node.key)
-                    if len(kids) == 1 and self._join(ns, node, kids[0]):
+                    # A damaged children entry may point anywhere: join only a true child.
+                    linked = len(kids) == 1 and (kids[0].parent, kids[0].start) == (node.key, node.end)
+                    if linked and self._join(ns, node, kids[0]):
                         merged = True
                         self.tick("merge chains")
 

@@ -207,11 +207,20 @@ class Space:
         while path:
             end = min(target, path[-1].end)
             chains = self._chains(path, snaps)
-            if chains is not None and end > path[-1].start and C.restore_prompt_cache(cache, chains, end):
+            if chains is not None and end > path[-1].start and self._restored(cache, chains, end, path[-1]):
                 return end, len(path), cold
             path, snaps = path[:-1], snaps[:-1]
             target = path[-1].end if path else 0
         return None
+
+    def _restored(self, cache, chains, end: int, last: Node) -> bool:
+        """restore_prompt_cache, with stored snapshots that do not fit (a file of
+        another layout that passed its own checks) reported as a miss."""
+        try:
+            return C.restore_prompt_cache(cache, chains, end)
+        except CacheError as e:
+            self.tiers.report("layout", last.key, f"stored snapshots do not fit this namespace: {e}")
+            return False
 
     def _chains(self, path: list[Node], snaps: list[list[Snapshot]]):
         """Per layer, the consecutive snapshots ending at the last node, or None."""

@@ -421,14 +421,6 @@ def test_bad_namespace_arguments_are_refused(guard, model_of, kwargs):
 # --- crafted but self-consistent files ------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "space.py Space._restore calls C.restore_prompt_cache without catching CacheError, and "
-    "cold.py load checks a file's identity, checksums and spans but not that its snapshots' "
-    "kinds fit the namespace's layers: a file written for the node's key, namespace and span "
-    "(so every check passes) that holds another kind's snapshots, e.g. by a buggy or older "
-    "writer, makes Space.fetch raise SnapshotKindError instead of missing. (The index record's "
-    "checksum of the file is never compared at load either.) Fix: catch CacheError in _restore "
-    "(a reported miss, quarantining the file), or check kinds against the namespace in load"))
 def test_a_self_consistent_file_of_another_kind_is_a_miss(guard, model_of):
     from promptstore.snapshots.cold import ColdTier
 
