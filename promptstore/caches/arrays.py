@@ -34,6 +34,9 @@ class ArraysCache(WholeStateKind, mlx_cache.ArraysCache):
     def layout(self) -> dict:
         return {"size": len(self.cache)}
 
+    def state_arrays(self) -> dict:
+        return {f"s{i}": a for i, a in enumerate(self.cache) if a is not None}
+
     def snapshot(self, from_offset: int = 0) -> Snapshot:
         lo = as_position(from_offset, "from_offset")
         if lo > self.offset:

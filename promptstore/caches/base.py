@@ -48,6 +48,7 @@ class SnapshotProtocol:
     kind: ClassVar[str]
     whole_state: ClassVar[bool] = False
     can_split: ClassVar[bool] = True
+    token_axis: ClassVar[Optional[int]] = None  # the axis of state arrays that grows with tokens
 
     # --- what each kind provides ------------------------------------------
 
@@ -63,6 +64,22 @@ class SnapshotProtocol:
     def snapshot(self, from_offset: int = 0) -> Snapshot:
         """The state needed to go from `from_offset` to the current position."""
         raise NotImplementedError
+
+    def state_arrays(self) -> dict:
+        """The arrays the cache holds, by name, as held (no copy); {} while empty."""
+        raise NotImplementedError
+
+    def signature(self) -> tuple:
+        """(name, dtype, shape without the token axis) of every state array: the same
+        for any two caches one model layer filled, whatever their lengths. Reads
+        shapes only, so a lazily computed cache is not evaluated."""
+        out = []
+        for name, a in sorted(self.state_arrays().items()):
+            shape = list(a.shape)
+            if self.token_axis is not None and len(shape) > self.token_axis:
+                del shape[self.token_axis]
+            out.append((name, str(a.dtype), tuple(shape)))
+        return tuple(out)
 
     def plan_restore(self, snapshot: Optional[SnapshotChain], target: int):
         """New attribute values that bring the cache to `target`, or None if

@@ -6,7 +6,7 @@ own offset and left padding travel with the snapshot as cursor arrays.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
@@ -94,8 +94,13 @@ class BatchRotatingKVCache(WholeStateKind, mlx_cache.BatchRotatingKVCache):
     def position(self) -> int:
         return self._offset
 
+    token_axis: ClassVar[Optional[int]] = 2
+
     def layout(self) -> dict:
         return {"max_size": int(self.max_size)}
+
+    def state_arrays(self) -> dict:
+        return {} if self.keys is None else {"keys": self.keys, "values": self.values}
 
     def _window(self, v):
         return mx.roll(v, -self._idx, axis=2) if self.rotated else v[..., : self._idx, :]

@@ -36,6 +36,9 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
     def layout(self) -> dict:
         return {"kinds": [c.kind for c in self.caches]}
 
+    def signature(self) -> tuple:
+        return tuple(c.signature() for c in self.caches)
+
     @property
     def state(self):
         return [(c.state, type(c).__name__) for c in self.caches]

@@ -42,6 +42,7 @@ class RangeKind(SnapshotProtocol):
     whole_state: ClassVar[bool] = False
     can_split: ClassVar[bool] = True
     trims_front: ClassVar[bool] = False  # data may start after the span's start
+    token_axis: ClassVar[Optional[int]] = AXIS
 
     # --- hooks ---------------------------------------------------------------
 
@@ -75,6 +76,9 @@ class RangeKind(SnapshotProtocol):
         return [n for n in snapshot.arrays if n not in cls.cursor_names]
 
     cursor_names: ClassVar[tuple[str, ...]] = ()
+
+    def state_arrays(self) -> dict:
+        return self.live_buffers() or {}
     expected_names: ClassVar[tuple[str, ...]] = ("keys", "values")
 
     # --- protocol --------------------------------------------------------------

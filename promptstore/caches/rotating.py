@@ -7,7 +7,7 @@ dropped a token (then the window holds every position from 0).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
@@ -62,8 +62,13 @@ class RotatingKVCache(WholeStateKind, mlx_cache.RotatingKVCache):
 
     kind: ClassVar[str] = "rotating"
 
+    token_axis: ClassVar[Optional[int]] = 2
+
     def layout(self) -> dict:
         return {"max_size": int(self.max_size), "keep": int(self.keep)}
+
+    def state_arrays(self) -> dict:
+        return {} if self.keys is None else {"keys": self.keys, "values": self.values}
 
     def snapshot(self, from_offset: int = 0) -> Snapshot:
         lo = as_position(from_offset, "from_offset")

@@ -28,6 +28,7 @@ from .safetensors_header import read_header
 NODE_KEY = "promptstore.node"
 SUFFIX = ".safetensors"
 TEMP_MARK = ".tmp-"
+TAG_BYTES = 4  # random bytes in a file's name, unique to the write that made it
 
 
 class NodeFileMeta(BaseModel):
@@ -91,9 +92,21 @@ class ColdTier:
             except FileExistsError:
                 pass
 
-    def relative_path(self, key: bytes, start: int, end: int) -> str:
+    def relative_path(self, key: bytes, start: int, end: int, tag: str = "") -> str:
+        """Where a file of the node `key` spanning [start, end) lives. `write` adds a
+        tag of its own, so two writers of one node (two processes spilling it, two
+        compacts joining it) never write, replace or delete each other's file."""
         h = key.hex()
-        return f"files/{h[:2]}/{h[2:4]}/{h}-{start}-{end}{SUFFIX}"
+        return f"files/{h[:2]}/{h[2:4]}/{h}-{start}-{end}{'-' + tag if tag else ''}{SUFFIX}"
+
+    def owns(self, rel: str, key: bytes, start: int, end: int) -> bool:
+        """Whether `rel` is a name `write` gives to a file of this node (so the file
+        may be quarantined for it; a record could name any file)."""
+        stem = self.relative_path(key, start, end)[: -len(SUFFIX)]
+        if rel == stem + SUFFIX:
+            return True
+        tag = rel[len(stem) + 1 : -len(SUFFIX)] if rel.startswith(stem + "-") and rel.endswith(SUFFIX) else ""
+        return len(tag) == 2 * TAG_BYTES and all(c in "0123456789abcdef" for c in tag)
 
     def absolute(self, rel: str) -> Path:
         """The file for a path from the index; never one outside the tier."""
@@ -113,7 +126,7 @@ class ColdTier:
                             start=start, end=end, checksums=sums,
                             record=xxhash.xxh3_128_hexdigest(metadata[METADATA_KEY].encode()))
         metadata[NODE_KEY] = meta.model_dump_json()
-        rel = self.relative_path(key, start, end)
+        rel = self.relative_path(key, start, end, secrets.token_hex(TAG_BYTES))
         final = self.root / rel
         try:
             self._mkdirs(final.parent)

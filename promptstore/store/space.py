@@ -107,6 +107,12 @@ def split_for_edge(snapshot: Snapshot, at: int):
     return None, Snapshot(snapshot.kind, at, snapshot.end, True, snapshot.arrays, dict(snapshot.scalars), snapshot.children)
 
 
+def _describe(signature: tuple) -> str:
+    if signature and isinstance(signature[0], tuple) and signature[0] and isinstance(signature[0][0], str):
+        return ", ".join(f"{n} {d.rsplit('.', 1)[-1]} {list(s)}" for n, d, s in signature)
+    return "[" + "; ".join(_describe(s) for s in signature) + "]" if signature else "none"
+
+
 class _SplitDataUnavailable(Exception):
     """The snapshots of a node whose edge an insert must split are not here."""
 
@@ -122,6 +128,7 @@ class Space:
         self._touched: list[bytes] = []
         self._counts: Counter = Counter()
         self._flushed = time.monotonic()
+        self._signatures: Optional[list] = None
         store.spaces.append(self)
 
     @classmethod
@@ -248,6 +255,8 @@ class Space:
         position = C.prompt_position(cache)
         if position != len(toks):
             raise CacheError(f"the cache holds {position} positions but {len(toks)} tokens were given")
+        if position:
+            self._check_arrays(cache)
         for attempt in range(6):
             plan = self.index.plan_insert(self.namespace, toks)
             try:
@@ -278,6 +287,26 @@ class Space:
             keys = c.keys[0] if isinstance(c.keys, tuple) else c.keys
             if str(keys.dtype).rsplit(".", 1)[-1] != dtype and not isinstance(c.keys, tuple):
                 raise CacheShapeError(f"cache arrays are {keys.dtype}, the namespace's model runs in {dtype}")
+
+    def _check_arrays(self, cache) -> None:
+        """Every layer's arrays have the batch size, head count, head dim and dtype
+        this model gives them (another model with the same layer kinds, or a batch
+        of 2, would otherwise be stored and later served to this one)."""
+        expected = self.array_signatures()
+        for i, (c, want) in enumerate(zip(cache, expected)):
+            got = c.signature()
+            if got != want:
+                raise CacheShapeError(f"layer {i}'s arrays are {_describe(got)}, but this namespace's model "
+                                      f"makes {_describe(want)} (name, dtype, shape without the token axis)")
+
+    def array_signatures(self) -> list:
+        """Per-layer `signature()` of a cache this model fills: from a one-token
+        forward, made once and never evaluated (only shapes are read)."""
+        if self._signatures is None:
+            cache = self.new_cache()
+            self.model(mx.array([[0]]), cache=cache)
+            self._signatures = [c.signature() for c in cache]
+        return self._signatures
 
     def _heal(self, plan, cache, position: int) -> None:
         """Nodes on the path whose data is nowhere (a writer died before spilling

@@ -147,9 +147,8 @@ class Tiers:
     def _bad_file(self, node: Node, error: ColdFileError) -> None:
         """A miss: report it, quarantine the file, and stop pointing at it."""
         self.report(error.reason, node.key, str(error))
-        own = self.cold.relative_path(node.key, node.start, node.end)
-        if error.reason != "missing" and error.path == own:
-            self.cold.quarantine(own)  # never a file the record merely names
+        if error.reason != "missing" and self.cold.owns(error.path, node.key, node.start, node.end):
+            self.cold.quarantine(error.path)  # never a file the record merely names
         unfile(self.index, node, error.path)
 
     def report(self, reason: str, key: bytes, detail: str) -> None:

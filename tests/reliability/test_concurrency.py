@@ -89,11 +89,6 @@ def summary(run: dict, final: dict) -> str:
     return f"{run['totals']} final={final} in {run['seconds']} s; first problems: {problems}"
 
 
-# Out of the default run: after the fixes of this session it passed in 5 of 6
-# runs; the failing run's worker error (FileNotFoundError from cold.py write inside
-# compact) came from two compacts merging the same chain: see
-# test_two_compacts_merging_the_same_chain (make test-slow and tools/soak.py run it).
-@pytest.mark.slow
 def test_four_processes_mixed_operations(tmp_path, capsys):
     run = run_workers(tmp_path, ops=50)
     final = check_store(tmp_path)
@@ -245,15 +240,10 @@ def test_compact_joins_only_the_pair_it_merged(tmp_path, monkeypatch):
         assert (length, list(store.tiers.reports)) == (48, []) and err < TOL
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "store/compact.py Compactor._join names the merged file after the child's key and the "
-    "joined span (cold.relative_path), so two compacts (two processes) merging the same chain "
-    "write the same path; the one whose join_child is refused then runs "
-    "self.cold.delete(ref.path) and deletes the file the winner's record names: the whole "
-    "joined prefix is a 'missing' miss from then on. This, with the race below, is the "
-    "'worker error of unknown cause' of the 4-process run (FileNotFoundError from cold.py "
-    "write's final.stat() inside compact). Fix: write the merged file under a name unique to "
-    "this attempt (e.g. with a random suffix) or delete it on refusal only if no record names it"))
+# Regression (was a defect): Compactor._join named the merged file after the child's key and
+# the joined span, so two compacts merging the same chain wrote the same path, and the one
+# whose join_child was refused deleted the file the winner's record names. Every cold write
+# now names its file with a tag of its own (ColdTier.relative_path).
 def test_two_compacts_merging_the_same_chain(tmp_path, monkeypatch):
     from promptstore.index import Index
 

@@ -370,7 +370,8 @@ def test_file_of_another_namespace_is_an_identity_error(tmp_path):
     snap = driver_snapshot("rotating", 5)
     ref = put(mine, [snap], KEY, NS)
     other = put(theirs, [snap], KEY, OTHER_NS)
-    assert other.path == ref.path  # same key and span: same name in either tier
+    # Same key and span: each write names its file with a tag of its own, both this node's.
+    assert other.path != ref.path and mine.owns(other.path, KEY, *span([snap]))
     os.replace(path_of(theirs, other.path), path_of(mine, ref.path))
     with pytest.raises(ColdFileError) as info:
         load(mine, ref.path, [snap], KEY, NS)
@@ -831,3 +832,28 @@ def test_fuzz_random_corruption_is_detected_or_harmless(fuzz_file):
         run()
     finally:
         print(f"random corruption: {dict(counts)}")
+
+
+def test_two_writes_of_one_node_never_share_a_file(tier):
+    """Two processes spilling one node, or two compacts joining one chain, each
+    publish (or delete, when refused) only a file of their own."""
+    snap = driver_snapshot("kv", 5)
+    first, second = put(tier, [snap]), put(tier, [snap])
+    assert first.path != second.path
+    assert all(tier.owns(r.path, KEY, *span([snap])) for r in (first, second))
+    tier.delete(second.path)
+    assert outcome(tier, first.path, [snap]) == "equal"
+
+
+@pytest.mark.parametrize("rel", [
+    "files/00/00/other-5-21.safetensors",
+    "{own}-5-21-deadbeef/../x.safetensors",
+    "{own}-5-21-notatag.safetensors",
+    "{own}-5-22-deadbeef.safetensors",
+    "{own}-5-21-deadbeef.tmp-1-2.safetensors",
+])
+def test_owns_only_names_write_gives(tier, rel):
+    own = tier.relative_path(KEY, 5, 21)[: -len(".safetensors")]
+    base = own.rsplit("-", 2)[0]
+    assert not tier.owns(rel.replace("{own}-5-21", own).replace("{own}-5-22", base + "-5-22"), KEY, 5, 21)
+    assert tier.owns(own + ".safetensors", KEY, 5, 21) and tier.owns(own + "-0123abcd.safetensors", KEY, 5, 21)
