@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import SettingsError
 
 GiB = 1 << 30
 ENV_PREFIX = "PROMPTSTORE_"
@@ -32,6 +34,20 @@ class Settings(BaseModel):
     dir_mode: int = Field(0o700, description="permissions of store directories")
     map_size: int = Field(64 << 20, ge=1 << 16, description="initial LMDB map size; it grows when full")
 
+    @field_validator("file_mode")
+    @classmethod
+    def _owner_reads_and_writes(cls, mode: int) -> int:
+        if not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
+            raise ValueError(f"{oct(mode)}: a permission mode (at most 0o777) that lets the owner read and write")
+        return mode
+
+    @field_validator("dir_mode")
+    @classmethod
+    def _owner_enters(cls, mode: int) -> int:
+        if not 0 <= mode <= 0o777 or mode & 0o700 != 0o700:
+            raise ValueError(f"{oct(mode)}: a permission mode (at most 0o777) that lets the owner list, enter and write")
+        return mode
+
     @classmethod
     def from_env(cls, **overrides: Any) -> "Settings":
         """Defaults, then PROMPTSTORE_* variables, then `overrides`."""
@@ -39,6 +55,13 @@ class Settings(BaseModel):
         for name in cls.model_fields:
             raw = os.environ.get(ENV_PREFIX + name.upper())
             if raw is not None:
-                values[name] = int(raw, 0) if name.endswith("_mode") else raw
+                try:
+                    values[name] = int(raw, 0) if name.endswith("_mode") else raw
+                except ValueError:
+                    raise SettingsError(f"{ENV_PREFIX}{name.upper()}={raw!r}: not a number (e.g. 0o600)") from None
         values.update(overrides)
-        return cls.model_validate(values)
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors())
+            raise SettingsError(f"invalid settings: {problems}") from None

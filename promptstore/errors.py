@@ -108,3 +108,8 @@ class RecordLayoutError(IndexStoreError, ValueError):
 
 class ReadOnlyIndexError(IndexStoreError):
     """A write to an index opened read-only."""
+
+
+class SettingsError(PromptStoreError, ValueError):
+    """A setting (argument or PROMPTSTORE_* variable), or a namespace's model_id or
+    salt, that is not a valid value."""

@@ -19,7 +19,7 @@ import numpy as np
 from .. import caches as C
 from ..caches import Snapshot
 from ..errors import (CacheError, CacheShapeError, CorruptRecordError, KeyCollisionError, NodeNotFoundError,
-                      StaleInsertError, UnsupportedCacheError)
+                      SettingsError, StaleInsertError, UnsupportedCacheError)
 from ..index import LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens
 
 if TYPE_CHECKING:
@@ -136,6 +136,9 @@ class Space:
         kwargs = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "max_kv_size": max_kv_size}
         template = C.make_prompt_cache(model, **kwargs)
         dtype = model_dtype(model)
+        for name, value in (("model_id", model_id), ("salt", salt)):
+            if value is not None and not isinstance(value, str):
+                raise SettingsError(f"{name} must be a string or None, got {type(value).__name__}")
         spec = NamespaceSpec(
             model_id=model_id,
             weights_digest=None if model_id else weights_digest(model),

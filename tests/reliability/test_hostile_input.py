@@ -10,8 +10,8 @@ Already covered elsewhere, so not repeated here:
   tests/caches/test_bad_input.py;
 - damaged or crafted snapshot files and index records: tests/snapshots/test_cold.py,
   tests/store/test_corruption.py, tests/index/test_bad_input.py;
-- bad namespace specs (pydantic.ValidationError, the project's convention for settings
-  and specs): tests/index/test_namespace.py::test_bad_layer_specs.
+- bad namespace specs built directly (pydantic.ValidationError, a ValueError):
+  tests/index/test_namespace.py::test_bad_layer_specs.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import stat
 
 import mlx.core as mx
 import numpy as np
-import pydantic
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
@@ -32,6 +31,7 @@ from promptstore.errors import (
     IndexStoreError,
     InvalidTokensError,
     PromptStoreError,
+    SettingsError,
 )
 from promptstore.store.compact import compact
 from promptstore.store.store import StoreDirectoryError
@@ -371,13 +371,25 @@ def test_use_after_close_is_a_typed_error(guard, model_of):
 BAD_SETTINGS = [
     {"map_size": 1}, {"hot_bytes": -1}, {"disk_bytes": -5}, {"durability": "eventually"},
     {"checkpoint_interval": 0}, {"no_such_setting": 1}, {"hot_bytes": "lots"},
+    {"file_mode": 0o444}, {"file_mode": 0o1777}, {"dir_mode": 0o600}, {"dir_mode": -1},
 ]
 
 
+# Regression (was a defect): bad settings raised pydantic's ValidationError, not a typed error
 @pytest.mark.parametrize("settings", BAD_SETTINGS, ids=repr)
 def test_bad_settings_are_refused_before_anything_is_written(guard, settings):
-    with pytest.raises((PromptStoreError, pydantic.ValidationError)):
+    with pytest.raises(SettingsError) as info:
         PromptStore.open(guard.root, **settings)
+    assert next(iter(settings)) in str(info.value)
+    assert not guard.root.exists()
+
+
+@pytest.mark.parametrize("name,value", [("HOT_BYTES", "-1"), ("FILE_MODE", "rw-------"), ("DURABILITY", "maybe")])
+def test_bad_settings_from_the_environment_are_refused(guard, monkeypatch, name, value):
+    monkeypatch.setenv(f"PROMPTSTORE_{name}", value)
+    with pytest.raises(SettingsError) as info:
+        PromptStore.open(guard.root)
+    assert name.lower() in str(info.value).lower()
     assert not guard.root.exists()
 
 
@@ -385,7 +397,7 @@ def test_bad_settings_are_refused_before_anything_is_written(guard, settings):
 def test_bad_namespace_arguments_are_refused(guard, model_of, kwargs):
     model = model_of("llama")
     with PromptStore.open(guard.root) as store:
-        with pytest.raises((PromptStoreError, pydantic.ValidationError)):
+        with pytest.raises(SettingsError):
             store.namespace(model, **{"model_id": MODEL_ID, **kwargs})
         assert store.index.namespaces() == []
 
