@@ -1,7 +1,11 @@
 """Cache lists: several caches behind one layer (hybrid blocks such as Falcon-H1).
 
 A cache list's snapshot holds one child snapshot per sub-cache; every
-operation is applied to all children or to none.
+operation is applied to all children or to none. A whole-state child may be
+None: a snapshot cut where the recurrent sub-cache has no state still carries
+the attention sub-cache's range, so later nodes' ranges stay reachable; such a
+snapshot is not `complete` and restores only as part of a chain whose last
+snapshot is.
 """
 
 from __future__ import annotations
@@ -13,6 +17,21 @@ from mlx_lm.models import cache as mlx_cache
 from ..errors import SnapshotFormatError, SnapshotKindError, SnapshotRangeError
 from .base import SnapshotChain, SnapshotProtocol, as_chain, as_position, check_consecutive
 from .snapshot import Snapshot
+
+
+def _child_chain(chain: list[Snapshot], i: int, whole: bool) -> Optional[list[Snapshot]]:
+    """Child i's chain: every range piece, or a whole-state child's last state (None if absent)."""
+    if whole:
+        last = chain[-1].children[i]
+        return None if last is None else [last]
+    return [s.children[i] for s in chain]
+
+
+def _respan(child: Optional[Snapshot], start: int) -> Optional[Snapshot]:
+    """A whole-state child's state, as the child of a list spanning from `start`."""
+    if child is None:
+        return None
+    return Snapshot(child.kind, start, child.end, True, child.arrays, dict(child.scalars), child.children)
 
 
 class CacheList(SnapshotProtocol, mlx_cache.CacheList):
@@ -66,7 +85,9 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
             for s in chain:
                 self.check_layout(s)
                 type(self).validate_snapshot(s)
-            chains = [[s.children[i] for s in chain] for i in range(len(self.caches))]
+            chains = [_child_chain(chain, i, c.whole_state) for i, c in enumerate(self.caches)]
+            if any(sub is None for sub in chains):
+                return None  # a recurrent sub-cache has no state at the chain's end
         plans = []
         for cache, sub in zip(self.caches, chains):
             plan = cache.plan_restore(sub, target)
@@ -83,7 +104,7 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
     def reachable(cls, snapshot: Snapshot, target: int) -> bool:
         from .registry import kind_class
 
-        return all(kind_class(c.kind).reachable(c, target) for c in snapshot.children)
+        return all(c is not None and kind_class(c.kind).reachable(c, target) for c in snapshot.children)
 
     @classmethod
     def merge_snapshots(cls, parent: Optional[Snapshot], child: Optional[Snapshot]):
@@ -95,7 +116,8 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
         if parent.scalars != child.scalars:
             raise SnapshotKindError(f"cannot merge cache lists {parent.scalars} and {child.scalars}")
         children = tuple(
-            kind_class(p.kind).merge_snapshots(p, c) for p, c in zip(parent.children, child.children)
+            _respan(c, parent.start) if kind_class(kind).whole_state else kind_class(kind).merge_snapshots(p, c)
+            for kind, p, c in zip(child.scalars["kinds"], parent.children, child.children)
         )
         return Snapshot(cls.kind, parent.start, child.end, child.whole, {}, dict(child.scalars), children)
 
@@ -110,11 +132,12 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
                 raise SnapshotKindError(f"cannot merge cache lists {a.scalars} and {b.scalars}")
         for s in chain:
             cls.validate_snapshot(s)
+        last = chain[-1]
         children = tuple(
-            kind_class(kind).merge_chain([s.children[i] for s in chain])
+            _respan(last.children[i], chain[0].start) if kind_class(kind).whole_state
+            else kind_class(kind).merge_chain([s.children[i] for s in chain])
             for i, kind in enumerate(chain[0].scalars["kinds"])
         )
-        last = chain[-1]
         return Snapshot(cls.kind, chain[0].start, last.end, last.whole, {}, dict(last.scalars), children)
 
     @classmethod
@@ -127,8 +150,8 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
             return snapshot, None
         if at <= snapshot.start:
             return None, snapshot
-        halves = [kind_class(c.kind).split_snapshot(c, at) for c in snapshot.children]
-        if any(upper is None or lower is None for upper, lower in halves):
+        halves = [(None, None) if c is None else kind_class(c.kind).split_snapshot(c, at) for c in snapshot.children]
+        if any(c is not None and (upper is None or lower is None) for c, (upper, lower) in zip(snapshot.children, halves)):
             return None, snapshot  # a child cannot split here, so neither can the list
         uppers, lowers = zip(*halves)
         scalars = dict(snapshot.scalars)
@@ -148,6 +171,10 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
                 f"and {len(snapshot.children)} children"
             )
         for kind, child in zip(kinds, snapshot.children):
+            if child is None and kind_class(kind).whole_state:
+                continue  # no state at `end` for this recurrent sub-cache
+            if child is None:
+                raise SnapshotFormatError(f"a cache-list snapshot lacks its {kind!r} range child")
             if child.kind != kind or (child.start, child.end) != (snapshot.start, snapshot.end):
                 raise SnapshotFormatError(
                     f"child {child!r} does not match kind {kind!r} over "

@@ -17,7 +17,10 @@ from ..errors import SnapshotFormatError
 from .registry import kind_class
 from .snapshot import Snapshot
 
-FORMAT_VERSION = 1
+# 2: a cache list's whole-state child may be null (no state at the snapshot's end).
+# Version 1 files are version 2 files without such children, so both are read.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 METADATA_KEY = "promptstore.snapshots"
 
 DTYPES: dict[str, mx.Dtype] = {
@@ -50,7 +53,7 @@ class SnapshotMeta(BaseModel):
     whole: bool
     scalars: dict[str, ScalarValue] = {}
     arrays: list[ArraySpec] = []
-    children: list["SnapshotMeta"] = []
+    children: list[Optional["SnapshotMeta"]] = []
 
 
 class SnapshotsRecord(BaseModel):
@@ -68,7 +71,7 @@ def _flatten(snap: Snapshot, prefix: str, out: dict) -> SnapshotMeta:
             raise SnapshotFormatError(f"array name {name!r} cannot be serialized")
         out[f"{prefix}/{name}"] = a
         specs.append(ArraySpec(name=name, dtype=_DTYPE_NAMES[a.dtype], shape=list(a.shape)))
-    children = [_flatten(c, f"{prefix}/c{i}", out) for i, c in enumerate(snap.children)]
+    children = [None if c is None else _flatten(c, f"{prefix}/c{i}", out) for i, c in enumerate(snap.children)]
     return SnapshotMeta(
         kind=snap.kind, start=snap.start, end=snap.end, whole=snap.whole,
         scalars=dict(snap.scalars), arrays=specs, children=children,
@@ -93,9 +96,9 @@ def _parse(metadata: Optional[dict]) -> SnapshotsRecord:
     except (ValueError, RecursionError) as e:
         raise SnapshotFormatError(f"metadata is not JSON: {e}") from None
     version = raw.get("format_version") if isinstance(raw, dict) else None
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise SnapshotFormatError(
-            f"snapshot format version {version!r}; this code reads version {FORMAT_VERSION}"
+            f"snapshot format version {version!r}; this code reads versions {READABLE_VERSIONS}"
         )
     try:
         return SnapshotsRecord.model_validate(raw)
@@ -117,7 +120,9 @@ def _unflatten(meta: SnapshotMeta, prefix: str, arrays: dict, used: set) -> Snap
             )
         own[spec.name] = a
         used.add(key)
-    children = tuple(_unflatten(c, f"{prefix}/c{i}", arrays, used) for i, c in enumerate(meta.children))
+    children = tuple(
+        None if c is None else _unflatten(c, f"{prefix}/c{i}", arrays, used) for i, c in enumerate(meta.children)
+    )
     snap = Snapshot(meta.kind, meta.start, meta.end, meta.whole, own, dict(meta.scalars), children)
     if snap.end < snap.start:
         raise SnapshotFormatError(f"span [{snap.start}, {snap.end}) is reversed")

@@ -9,7 +9,7 @@ view of a live cache buffer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Optional, Union
 
 import mlx.core as mx
 
@@ -25,7 +25,8 @@ class Snapshot:
     whole: True when it is the whole state at `end` (window, recurrent kinds).
     arrays: kind-specific arrays, by name.
     scalars: kind-specific settings and cursors (bits, window size, ...).
-    children: per-sub-cache snapshots, for composite kinds (cache lists).
+    children: per-sub-cache snapshots, for composite kinds (cache lists);
+        None for a whole-state sub-cache with no state at `end` (see `complete`).
     """
 
     kind: str
@@ -34,7 +35,7 @@ class Snapshot:
     whole: bool
     arrays: dict[str, mx.array] = field(default_factory=dict)
     scalars: dict[str, Scalar] = field(default_factory=dict)
-    children: tuple["Snapshot", ...] = ()
+    children: tuple[Optional["Snapshot"], ...] = ()
 
     @property
     def length(self) -> int:
@@ -43,12 +44,20 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         own = sum(a.nbytes for a in self.arrays.values())
-        return own + sum(c.nbytes for c in self.children)
+        return own + sum(c.nbytes for c in self.children if c is not None)
+
+    @property
+    def complete(self) -> bool:
+        """Restorable at `end` on its own chain: no sub-cache lacks its state there.
+        (A cache list split where its recurrent sub-cache has no state keeps its
+        attention sub-cache's range, and None for the recurrent one.)"""
+        return all(c is not None and c.complete for c in self.children)
 
     def all_arrays(self) -> list[mx.array]:
         out = list(self.arrays.values())
         for c in self.children:
-            out.extend(c.all_arrays())
+            if c is not None:
+                out.extend(c.all_arrays())
         return out
 
     def eval(self) -> "Snapshot":
@@ -90,4 +99,4 @@ def arrays_equal(a: Snapshot | None, b: Snapshot | None) -> bool:
             return False
         if x.size and not mx.array_equal(x.view(mx.uint8), y.view(mx.uint8)).item():
             return False
-    return all(arrays_equal(x, y) for x, y in zip(a.children, b.children))
+    return all(arrays_equal(x, y) for x, y in zip(a.children, b.children))  # None == None only

@@ -21,6 +21,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..caches import FORMAT_VERSION, Snapshot, from_flat, to_flat
+from ..caches.serialize import READABLE_VERSIONS
 from ..caches.serialize import METADATA_KEY
 from ..errors import CacheError, ColdFileError, DiskWriteError
 from .safetensors_header import read_header
@@ -215,7 +216,7 @@ class ColdTier:
             meta = NodeFileMeta.model_validate(json.loads(metadata.get(NODE_KEY, "")))
         except (ValidationError, ValueError, RecursionError):
             raise ColdFileError(f"{rel}: no valid node record", "header", rel) from None
-        if meta.format_version != FORMAT_VERSION:
+        if meta.format_version not in READABLE_VERSIONS:
             raise ColdFileError(f"{rel}: format version {meta.format_version}", "version", rel)
         if (meta.key, meta.namespace, meta.start, meta.end) != (key.hex(), namespace.hex(), start, end):
             raise ColdFileError(

@@ -233,20 +233,22 @@ class Compactor:
             return False
         layers = []
         for u, lo in zip(upper, lower):
-            if lo is None or (u is None and not lo.whole):
-                if lo is None and u is not None and not u.whole:
+            if lo is None:
+                if u is not None and not u.whole:
                     return False  # a range layer would lose [node.start, node.end)
-                layers.append(None)
-            elif u is None or lo.whole and lo.kind != "cache_list":
-                layers.append(Snapshot(lo.kind, node.start, lo.end, lo.whole, lo.arrays, dict(lo.scalars), lo.children))
-            else:
+                layers.append(None)  # no state at the child's end: none for the joined node
+            elif lo.kind == "cache_list" or not lo.whole:
+                if u is None:
+                    return False  # the range (or a cache list's range children) over the node is not here
                 layers.append(kind_class(lo.kind).merge_chain([u, lo]))
+            else:  # a whole-state layer: its state at the child's end is the joined node's
+                layers.append(Snapshot(lo.kind, node.start, lo.end, lo.whole, lo.arrays, dict(lo.scalars), lo.children))
         if self.dry:
             self.report.add("merged chains", nodes=1, files=1)
             return False
         ref = self.cold.write(child.key, node.namespace, node.start, child.end, layers)
         record = child.record.model_copy(update={
-            "layers": [r.model_copy(update={"present": s is not None, "nbytes": 0 if s is None else s.nbytes})
+            "layers": [r.model_copy(update={"present": s is not None and s.complete, "nbytes": 0 if s is None else s.nbytes})
                        for r, s in zip(child.record.layers, layers)],
             "file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": "cold",
             "prefill_seconds": node.record.prefill_seconds + child.record.prefill_seconds,

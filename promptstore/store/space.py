@@ -95,15 +95,21 @@ def split_for_edge(snapshot: Snapshot, at: int):
 
     Range layers split; a whole-state layer has no state at `at` (the upper
     node waits for a checkpoint) and keeps its state at the end, now spanning
-    [at, end). A cache list splits its range children and keeps its
-    whole-state children the same way.
+    [at, end). A cache list splits each child the same way: its upper part
+    keeps the range children's [start, at) with None for the whole-state ones
+    (not `complete`: the node's record marks the layer as waiting for a
+    checkpoint), so no position of a range child is ever dropped.
     """
+    if snapshot is None:
+        return None, None
     upper, lower = C.split_snapshot(snapshot, at)
     if upper is not None or lower is None or lower.start == at:
         return upper, lower
     if snapshot.kind == "cache_list":
-        children = tuple(split_for_edge(c, at)[1] for c in snapshot.children)
-        return None, Snapshot(snapshot.kind, at, snapshot.end, snapshot.whole, {}, dict(snapshot.scalars), children)
+        halves = [split_for_edge(c, at) for c in snapshot.children]
+        scalars = dict(snapshot.scalars)
+        return (Snapshot(snapshot.kind, snapshot.start, at, snapshot.whole, {}, scalars, tuple(u for u, _ in halves)),
+                Snapshot(snapshot.kind, at, snapshot.end, snapshot.whole, {}, dict(scalars), tuple(lo for _, lo in halves)))
     return None, Snapshot(snapshot.kind, at, snapshot.end, True, snapshot.arrays, dict(snapshot.scalars), snapshot.children)
 
 
@@ -366,7 +372,7 @@ class Space:
         return snaps
 
     def _record(self, snaps, prefill_seconds, n_tokens) -> NodeRecord:
-        present = [s is not None for s in snaps]
+        present = [s is not None and s.complete for s in snaps]
         record = NodeRecord.blank(self.namespace, present)
         layers = [ref.model_copy(update={"nbytes": s.nbytes if s is not None else 0}) for ref, s in zip(record.layers, snaps)]
         seconds = prefill_seconds if prefill_seconds is not None else self.store.estimate_prefill(n_tokens)
@@ -377,7 +383,7 @@ class Space:
         snaps = self.tiers.get(node) if node is not None else None
         if snaps is None:
             return None, None, None  # its data is gone: do not split what cannot be served
-        halves = [split_for_edge(s, plan.split.at) if s is not None else (None, None) for s in snaps]
+        halves = [split_for_edge(s, plan.split.at) for s in snaps]
         lowers = [lo for _, lo in halves]
         if position == plan.split.at:
             # The cache is at the split point: it has every layer's state there,
@@ -427,12 +433,17 @@ class Space:
                 return
             fresh = self._snap_span(cache, node.start, node.end)
             merged = [fresh[i] if i in missing else s for i, s in enumerate(current)]
-            if any(s is None for s in merged):
+            if any(s is None or not s.complete for s in merged):
                 return
             new_record = self._record(merged, record.prefill_seconds, 0)
-            self.index.update_record(node.key, new_record.model_copy(update={"file": None}))
+            span, old_file = (node.start, node.end), record.file
+            # StaleInsertError (another process changed the node) retries the insert.
+            self.index.update_record(node.key, new_record.model_copy(update={"file": None}),
+                                     expect=lambda n: (n.start, n.end) == span and n.record.file == old_file)
             self.tiers.forget(node.key)
-            self._put(node.key, (node.start, node.end), merged, record.prefill_seconds)
+            self._put(node.key, span, merged, record.prefill_seconds)
+            if old_file:
+                self.tiers.cold.delete(old_file)  # no record names it now (a crash here leaves an orphan)
 
         return fill
 
