@@ -2,7 +2,7 @@
 """Soak runs of promptstore's failure handling: crash injection, corruption fuzz
 and multi-process load. Prints figures and writes JSON (bench-results/soak.json).
 
-    tools/soak.py                 moderate: a few minutes on 2 cores
+    tools/soak.py                 300 SIGKILLs, 200 fuzz cases, 4 x 150 operations: about 20 minutes on 2 cores
     tools/soak.py --quick         about a minute
     tools/soak.py --minutes 10    each selected section runs about 10 minutes
     tools/soak.py --only fuzz --fuzz-cases 2000
@@ -425,7 +425,7 @@ def parse(argv=None):
     p.add_argument("--quick", action="store_true", help="a short run (about a minute)")
     p.add_argument("--only", default="crash,fuzz,concurrency", help="comma-separated sections")
     p.add_argument("--minutes", type=float, help="run each section about this long (counts are then ignored)")
-    p.add_argument("--crash-trials", type=int, help="SIGKILL trials per durability (default 8; quick 2)")
+    p.add_argument("--crash-trials", type=int, help="SIGKILL trials per durability (default 100; quick 2)")
     p.add_argument("--crash-durability", default="sync,write_through,write_back")
     p.add_argument("--fuzz-cases", type=int, help="damaged copies to probe (default 200; quick 30)")
     p.add_argument("--procs", type=int, default=4, help="concurrent processes")
@@ -435,7 +435,7 @@ def parse(argv=None):
     p.add_argument("--work", help="scratch directory (default: a new temporary one, removed afterwards)")
     p.add_argument("--verbose", action="store_true", help="show promptstore's warnings (misses are counted either way)")
     args = p.parse_args(argv)
-    args.crash_trials = args.crash_trials or (2 if args.quick else 8)
+    args.crash_trials = args.crash_trials or (2 if args.quick else 100)
     args.fuzz_cases = args.fuzz_cases or (30 if args.quick else 200)
     args.ops = args.ops or (40 if args.quick else 150)
     args.crash_durability = args.crash_durability.split(",")
