@@ -87,7 +87,8 @@ def to_flat(snapshots: Sequence[Optional[Snapshot]]) -> tuple[dict[str, mx.array
     return arrays, {METADATA_KEY: record.model_dump_json()}
 
 
-def _parse(metadata: Optional[dict]) -> SnapshotsRecord:
+def parse_record(metadata: Optional[dict]) -> SnapshotsRecord:
+    """The snapshots record of `to_flat` metadata, checked (no arrays needed)."""
     text = (metadata or {}).get(METADATA_KEY)
     if not isinstance(text, str):
         raise SnapshotFormatError(f"no {METADATA_KEY!r} metadata record")
@@ -132,9 +133,10 @@ def _unflatten(meta: SnapshotMeta, prefix: str, arrays: dict, used: set) -> Snap
     return snap
 
 
-def from_flat(arrays: dict[str, mx.array], metadata: Optional[dict]) -> list[Optional[Snapshot]]:
-    """(arrays, metadata) written by `to_flat` -> per-layer snapshots, validated."""
-    record = _parse(metadata)
+def from_flat(arrays: dict[str, mx.array], metadata) -> list[Optional[Snapshot]]:
+    """(arrays, metadata) written by `to_flat` -> per-layer snapshots, validated.
+    `metadata` may also be its record, already parsed by `parse_record`."""
+    record = metadata if isinstance(metadata, SnapshotsRecord) else parse_record(metadata)
     used: set = set()
     snaps = [None if m is None else _unflatten(m, f"L{i}", arrays, used) for i, m in enumerate(record.layers)]
     extra = set(arrays) - used

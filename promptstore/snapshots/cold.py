@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -21,7 +23,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..caches import FORMAT_VERSION, Snapshot, from_flat, to_flat
-from ..caches.serialize import READABLE_VERSIONS
+from ..caches.serialize import READABLE_VERSIONS, parse_record
 from ..caches.serialize import METADATA_KEY
 from ..errors import CacheError, ColdFileError, DiskWriteError
 from .safetensors_header import read_header
@@ -54,17 +56,54 @@ class FileRef:
     checksum: str
 
 
+# Hashing runs on a few threads (xxhash releases the GIL): below this many bytes
+# a file is hashed on the calling thread, where the hand-off would cost more.
+PARALLEL_HASH_BYTES = 4 << 20
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """This process's hashing threads (a forked child makes its own)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                     thread_name_prefix="promptstore-hash"))
+        return _pool[1]
+
+
+def checksums(arrays: dict[str, mx.array]) -> dict[str, str]:
+    """checksum() of every array. Arrays MLX is still computing or loading
+    (mx.async_eval) are waited for in turn, each hashed on the hashing threads
+    as soon as it is there, while MLX goes on with the rest."""
+    if len(arrays) < 2 or sum(a.nbytes for a in arrays.values()) < PARALLEL_HASH_BYTES:
+        mx.eval(list(arrays.values()))
+        return {name: checksum(a) for name, a in arrays.items()}
+    pool, pending = _hash_pool(), {}
+    for name, a in arrays.items():
+        mx.eval(a)
+        pending[name] = pool.submit(xxhash.xxh3_128_hexdigest, _row_major_bytes(a))  # MLX work stays here
+    return {name: f.result() for name, f in pending.items()}
+
+
 def checksum(array: mx.array) -> str:
     """xxh3-128 of the array's bytes in row-major order."""
+    return xxhash.xxh3_128_hexdigest(_row_major_bytes(array))
+
+
+def _row_major_bytes(array: mx.array) -> memoryview:
     try:
-        # Hashes MLX's buffer in place: no copy, bf16 included.
-        return xxhash.xxh3_128_hexdigest(memoryview(array))
+        view = memoryview(array)  # MLX's buffer in place: no copy, bf16 included
+        if view.c_contiguous:
+            return view
     except BufferError:
-        # A strided array (MLX may hand one over for a copy of a slice): the
-        # same bytes, laid out row-major first.
-        flat = mx.contiguous(array)
-        mx.eval(flat)
-        return xxhash.xxh3_128_hexdigest(memoryview(flat))
+        pass
+    # A strided array (MLX may hand one over for a copy of a slice): the same
+    # bytes, laid out row-major first.
+    flat = mx.contiguous(array)
+    mx.eval(flat)
+    return memoryview(flat)
 
 
 class ColdTier:
@@ -122,7 +161,7 @@ class ColdTier:
         """Write a node's snapshots durably; returns the ref to publish in the index."""
         arrays, metadata = to_flat(snapshots)
         mx.eval(list(arrays.values()))
-        sums = {name: checksum(a) for name, a in arrays.items()}
+        sums = checksums(arrays)
         meta = NodeFileMeta(format_version=FORMAT_VERSION, key=key.hex(), namespace=namespace.hex(),
                             start=start, end=end, checksums=sums,
                             record=xxhash.xxh3_128_hexdigest(metadata[METADATA_KEY].encode()))
@@ -177,23 +216,30 @@ class ColdTier:
     def load(self, rel: str, *, key: bytes, namespace: bytes, start: int, end: int) -> list[Snapshot]:
         """The node's verified snapshots, or ColdFileError saying what is wrong."""
         path = self.absolute(rel)
-        header, metadata = self._header(path, rel)
+        header, metadata = self._header(path, rel)  # strict: MLX only opens a consistent layout
+        try:
+            arrays = mx.load(str(path))
+            mx.async_eval(list(arrays.values()))  # MLX reads on its threads while this one checks
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
         meta = self._identity(metadata, rel, key, namespace, start, end)
         if set(meta.checksums) != set(header):
             raise ColdFileError(f"{rel}: checksums do not name the file's arrays", "header", rel)
         if xxhash.xxh3_128_hexdigest(metadata.get(METADATA_KEY, "").encode()) != meta.record:
             raise ColdFileError(f"{rel}: the snapshot record fails its checksum", "checksum", rel)
         try:
-            arrays = mx.load(str(path))
-            # Read everything first: hashing while MLX still reads measured slower.
-            mx.eval(list(arrays.values()))
-            for name, a in arrays.items():
-                if checksum(a) != meta.checksums.get(name):
-                    raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
+            record = parse_record(metadata)
+        except CacheError as e:
+            raise ColdFileError(f"{rel}: {e}", "format", rel) from None
+        try:
+            sums = checksums(arrays)  # each array as soon as MLX has read it
         except (RuntimeError, ValueError, OSError) as e:
             raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
+        for name in arrays:
+            if sums[name] != meta.checksums.get(name):
+                raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
         try:
-            snapshots = from_flat(arrays, metadata)
+            snapshots = from_flat(arrays, record)
         except CacheError as e:
             raise ColdFileError(f"{rel}: {e}", "format", rel) from None
         if any(s is not None and (s.start, s.end) != (start, end) for s in snapshots):

@@ -9,6 +9,7 @@ Anything wrong with a file is a miss plus a report, never an exception.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -231,21 +232,33 @@ class Tiers:
         within `budget` (default: the setting). Returns (nodes, bytes) removed."""
         budget = self.settings.disk_bytes if budget is None else budget
         removed = freed = 0
-        while True:
-            filed = list(self._filed())
-            total = sum(n.record.nbytes for n in filed)
-            leaves = [(age, n) for age, n in enumerate(reversed(filed)) if self.index.is_leaf(n.key)]
-            if total <= budget or not leaves:
-                return removed, freed
-            _, victim = min(leaves, key=lambda an: value(an[1].record.prefill_seconds, an[1].record.hits, an[1].record.nbytes, an[0]))
+        filed = list(self._filed())
+        total = sum(n.record.nbytes for n in filed)
+        if total <= budget:
+            return removed, freed
+        # One scan, then a heap: evicting a leaf can only make its parent a leaf.
+        ages = {n.key: age for age, n in enumerate(reversed(filed))}
+        nodes = {n.key: n for n in filed}
+
+        def entry(n: Node):
+            return (value(n.record.prefill_seconds, n.record.hits, n.record.nbytes, ages[n.key]), ages[n.key], n.key)
+
+        heap = [entry(n) for n in filed if self.index.is_leaf(n.key)]
+        heapq.heapify(heap)
+        while total > budget and heap:
+            victim = nodes.pop(heapq.heappop(heap)[2])
             try:
                 ns = self.index.namespace(victim.namespace)
                 self.index.remove(ns, victim.key)  # the entry first: a crash leaves an orphan file
             except (NodeHasChildrenError, NodeNotFoundError):
-                continue
+                continue  # another process changed it meanwhile
             self.forget(victim.key)
             self.cold.delete(victim.record.file)
-            removed, freed = removed + 1, freed + victim.record.nbytes
+            removed, freed, total = removed + 1, freed + victim.record.nbytes, total - victim.record.nbytes
+            parent = nodes.get(victim.parent)
+            if parent is not None and self.index.is_leaf(parent.key):
+                heapq.heappush(heap, entry(parent))
+        return removed, freed
 
     def close(self) -> None:
         self.spill_all()

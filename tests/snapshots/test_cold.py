@@ -14,6 +14,7 @@ import stat
 import struct
 
 import mlx.core as mx
+import numpy as np
 import pytest
 import xxhash
 from hypothesis import HealthCheck, example, given, settings
@@ -706,7 +707,7 @@ def test_crafted_metadata_is_a_cold_file_error(tier, name):
     assert got == f"cold:{EDIT_REASONS.get(name, 'format')}", got
 
 
-# Regression (was a defect): serialize._parse: json.loads of a deeply nested snapshots record
+# Regression (was a defect): serialize.parse_record (then _parse): json.loads of a deeply nested snapshots record
 # raises RecursionError (only ValueError is caught); it escapes cold.load
 def test_deeply_nested_snapshot_metadata_is_a_cold_file_error(tier):
     snap = driver_snapshot("kv", 5)
@@ -857,3 +858,40 @@ def test_owns_only_names_write_gives(tier, rel):
     base = own.rsplit("-", 2)[0]
     assert not tier.owns(rel.replace("{own}-5-21", own).replace("{own}-5-22", base + "-5-22"), KEY, 5, 21)
     assert tier.owns(own + ".safetensors", KEY, 5, 21) and tier.owns(own + "-0123abcd.safetensors", KEY, 5, 21)
+
+
+def _big_snapshots(layers=3, tokens=1024):
+    """Enough bytes (float32 KV, 2 MiB an array) that checksums run on the hashing threads."""
+    out = []
+    for i in range(layers):
+        c = C.KVCache()
+        k = mx.random.normal((1, 8, tokens, 64), key=mx.random.key(i))
+        c.update_and_fetch(k, k.transpose(0, 1, 3, 2).reshape(1, 8, tokens, 64))  # values from a strided view
+        out.append(c.snapshot(0).eval())
+    return out
+
+
+def test_checksums_on_threads_equal_checksums_in_turn():
+    from promptstore.snapshots.cold import PARALLEL_HASH_BYTES, checksum, checksums
+
+    arrays, _ = C.to_flat(_big_snapshots())
+    mx.eval(list(arrays.values()))
+    strided = arrays["L0/keys"].transpose(0, 2, 1, 3)  # not row-major: hashed from a contiguous copy
+    arrays["strided"] = strided
+    assert sum(a.nbytes for a in arrays.values()) >= 2 * PARALLEL_HASH_BYTES
+    assert checksums(arrays) == {n: checksum(a) for n, a in arrays.items()}
+    fresh = strided + 0  # a new, row-major array of the same values
+    mx.eval(fresh)
+    assert checksum(strided) == checksum(fresh)
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_a_damaged_array_of_a_large_file_is_caught(tier, which):
+    snaps = _big_snapshots()
+    ref = put(tier, snaps)
+    assert outcome(tier, ref.path, snaps) == "equal"
+    path = path_of(tier, ref.path)
+    raw = path.read_bytes()
+    at = header_end(raw) + 5 if which == "first" else len(raw) - 5
+    path.write_bytes(_flip(raw, at))
+    assert outcome(tier, ref.path, snaps) == "cold:checksum"
