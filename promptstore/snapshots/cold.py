@@ -1,8 +1,10 @@
 """The cold tier: one safetensors file per stored node, shared by every process.
 
-A file is named by its node key and span (so it is never overwritten in place:
-a split node gets new files), written under a temporary name, fsynced, renamed
-and its directory fsynced before anyone may point at it. Loading checks the
+A file is named by its node key, its span and a tag unique to the write that
+made it, so no file is ever overwritten in place (a split node gets new files,
+and two processes spilling one node write two files, one of which the index
+names). It is written under a temporary name, fsynced, renamed and its
+directory fsynced before anyone may point at it. Loading checks the
 header, the node's identity and every array's xxh3-128 before a byte is used;
 a file that fails is moved to quarantine for `tools/compact`.
 """
@@ -104,6 +106,56 @@ def _row_major_bytes(array: mx.array) -> memoryview:
     flat = mx.contiguous(array)
     mx.eval(flat)
     return memoryview(flat)
+
+
+class PendingLoad:
+    """A cold file MLX is reading; nothing of it is used before `result()` has
+    checked its identity, record and every array's checksum."""
+
+    def __init__(self, tier: "ColdTier", rel: str, key: bytes, namespace: bytes, start: int, end: int):
+        self.tier, self.rel, self.span = tier, rel, (start, end)
+        self.error: ColdFileError | None = None
+        self.arrays: dict[str, mx.array] = {}
+        try:
+            path = tier.absolute(rel)
+            self.header, self.metadata = tier._header(path, rel)  # strict: MLX only opens a consistent layout
+            self.meta = tier._identity(self.metadata, rel, key, namespace, start, end)
+        except ColdFileError as e:
+            self.error = e
+            return
+        try:
+            self.arrays = mx.load(str(path))
+            mx.async_eval(list(self.arrays.values()))  # MLX reads on its threads meanwhile
+        except (RuntimeError, ValueError, OSError) as e:
+            self.error = ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel)
+
+    def result(self) -> list[Snapshot]:
+        """The verified snapshots, or ColdFileError saying what is wrong."""
+        rel, (start, end), meta = self.rel, self.span, getattr(self, "meta", None)
+        if self.error is not None:
+            raise self.error
+        if set(meta.checksums) != set(self.header):
+            raise ColdFileError(f"{rel}: checksums do not name the file's arrays", "header", rel)
+        if xxhash.xxh3_128_hexdigest(self.metadata.get(METADATA_KEY, "").encode()) != meta.record:
+            raise ColdFileError(f"{rel}: the snapshot record fails its checksum", "checksum", rel)
+        try:
+            record = parse_record(self.metadata)
+        except CacheError as e:
+            raise ColdFileError(f"{rel}: {e}", "format", rel) from None
+        try:
+            sums = checksums(self.arrays)  # each array as soon as MLX has read it
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
+        for name in self.arrays:
+            if sums[name] != meta.checksums.get(name):
+                raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
+        try:
+            snapshots = from_flat(self.arrays, record)
+        except CacheError as e:
+            raise ColdFileError(f"{rel}: {e}", "format", rel) from None
+        if any(s is not None and (s.start, s.end) != (start, end) for s in snapshots):
+            raise ColdFileError(f"{rel}: snapshots do not span [{start}, {end})", "identity", rel)
+        return snapshots
 
 
 class ColdTier:
@@ -215,36 +267,13 @@ class ColdTier:
 
     def load(self, rel: str, *, key: bytes, namespace: bytes, start: int, end: int) -> list[Snapshot]:
         """The node's verified snapshots, or ColdFileError saying what is wrong."""
-        path = self.absolute(rel)
-        header, metadata = self._header(path, rel)  # strict: MLX only opens a consistent layout
-        try:
-            arrays = mx.load(str(path))
-            mx.async_eval(list(arrays.values()))  # MLX reads on its threads while this one checks
-        except (RuntimeError, ValueError, OSError) as e:
-            raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
-        meta = self._identity(metadata, rel, key, namespace, start, end)
-        if set(meta.checksums) != set(header):
-            raise ColdFileError(f"{rel}: checksums do not name the file's arrays", "header", rel)
-        if xxhash.xxh3_128_hexdigest(metadata.get(METADATA_KEY, "").encode()) != meta.record:
-            raise ColdFileError(f"{rel}: the snapshot record fails its checksum", "checksum", rel)
-        try:
-            record = parse_record(metadata)
-        except CacheError as e:
-            raise ColdFileError(f"{rel}: {e}", "format", rel) from None
-        try:
-            sums = checksums(arrays)  # each array as soon as MLX has read it
-        except (RuntimeError, ValueError, OSError) as e:
-            raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
-        for name in arrays:
-            if sums[name] != meta.checksums.get(name):
-                raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
-        try:
-            snapshots = from_flat(arrays, record)
-        except CacheError as e:
-            raise ColdFileError(f"{rel}: {e}", "format", rel) from None
-        if any(s is not None and (s.start, s.end) != (start, end) for s in snapshots):
-            raise ColdFileError(f"{rel}: snapshots do not span [{start}, {end})", "identity", rel)
-        return snapshots
+        return self.start_load(rel, key=key, namespace=namespace, start=start, end=end).result()
+
+    def start_load(self, rel: str, *, key: bytes, namespace: bytes, start: int, end: int) -> "PendingLoad":
+        """Check the file's header and let MLX start reading it; `.result()` then
+        verifies it. Starting the loads of several nodes before taking any
+        result reads the files back to back while earlier ones are hashed."""
+        return PendingLoad(self, rel, key, namespace, start, end)
 
     def _header(self, path: Path, rel: str):
         try:

@@ -210,15 +210,7 @@ class Space:
 
     def _restore(self, cache, path: list[Node], target: int):
         """Restore `cache` to the deepest position <= target every layer reaches."""
-        snaps, cold = [], []
-        for node in path:
-            before = self.tiers.counts["cold_loads"]
-            got = self.tiers.get(node)
-            if got is None:
-                break
-            if self.tiers.counts["cold_loads"] > before:
-                cold.append(node)
-            snaps.append(got)
+        snaps, cold = self.tiers.get_path(path)
         path = path[: len(snaps)]
         while path:
             end = min(target, path[-1].end)

@@ -16,7 +16,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -114,6 +114,36 @@ class Tiers:
 
     def get(self, node: Node) -> Optional[list[Snapshot]]:
         """The node's snapshots from memory or a verified file; None is a miss."""
+        held = self._held(node)
+        if held is not None:
+            return held
+        pending = self._start_load(node)
+        return None if pending is None else self._finish_load(node, pending)
+
+    def get_path(self, nodes: Sequence[Node]) -> tuple[list[list[Snapshot]], list[Node]]:
+        """The snapshots of `nodes`, in order up to the first miss, and the nodes
+        that came from disk. The files of all nodes not in memory are started
+        together: MLX reads them back to back while the earlier ones are verified."""
+        started = {}
+        for node in nodes:
+            if self._held(node) is None:
+                pending = self._start_load(node)
+                if pending is None:
+                    break  # a miss: nothing after it is used
+                started[node.key] = pending
+        out, cold = [], []
+        for node in nodes:
+            pending = started.pop(node.key, None)
+            got = self._held(node) if pending is None else self._finish_load(node, pending)
+            if got is None:
+                break
+            if pending is not None:
+                cold.append(node)
+            out.append(got)
+        return out, cold
+
+    def _held(self, node: Node) -> Optional[list[Snapshot]]:
+        """The node's snapshots if this process holds them (hot, or queued for disk)."""
         span = (node.namespace, node.start, node.end)
         entry = self.hot.get(node.key)
         if entry is not None and (entry.meta["namespace"], entry.meta["start"], entry.meta["end"]) == span:
@@ -123,9 +153,9 @@ class Tiers:
                 job = jobs.get(node.key)
                 if job is not None and (job.namespace, job.start, job.end) == span:
                     return job.snapshots
-        return self._load(node)
+        return None
 
-    def _load(self, node: Node) -> Optional[list[Snapshot]]:
+    def _start_load(self, node: Node):
         try:
             record = node.record
         except CorruptRecordError as e:
@@ -133,14 +163,17 @@ class Tiers:
             return None
         if record.file is None:
             return None
+        return self.cold.start_load(record.file, key=node.key, namespace=node.namespace, start=node.start, end=node.end)
+
+    def _finish_load(self, node: Node, pending) -> Optional[list[Snapshot]]:
         try:
-            snapshots = self.cold.load(record.file, key=node.key, namespace=node.namespace, start=node.start, end=node.end)
+            snapshots = pending.result()
         except ColdFileError as e:
             self._bad_file(node, e)
             return None
         self.counts["cold_loads"] += 1
         meta = {"namespace": node.namespace, "start": node.start, "end": node.end}
-        for entry in self.hot.put(node.key, snapshots, prefill_seconds=record.prefill_seconds, dirty=False, meta=meta):
+        for entry in self.hot.put(node.key, snapshots, prefill_seconds=node.record.prefill_seconds, dirty=False, meta=meta):
             if entry.dirty:
                 self._submit(self._job(entry.key, entry.snapshots, entry.meta))
         return snapshots

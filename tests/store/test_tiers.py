@@ -188,3 +188,28 @@ def test_splitting_a_node_on_disk_leaves_no_orphan_file(tmp_path, model_of):
         named = {n.record.file for n in store.index.iter_nodes(space.namespace)}
     on_disk = {str(p.relative_to(tmp_path / "cold")) for p in _files(tmp_path)}
     assert on_disk == named and len(named) == 3
+
+
+def test_a_path_of_cold_nodes_is_read_together_and_stops_at_a_bad_file(tmp_path, model_of):
+    model = model_of("llama")
+    tokens = prompt_tokens(90)
+    with PromptStore.open(tmp_path, durability="sync") as store:
+        _fill(store, model, tokens, [30, 60, 89])
+    with PromptStore.open(tmp_path, hot_bytes=0) as store:
+        space = store.namespace(model, model_id="m")
+        path = sorted(store.index.iter_nodes(space.namespace), key=lambda n: n.start)
+        snaps, cold = store.tiers.get_path(path)
+        assert [n.key for n in cold] == [n.key for n in path] and len(snaps) == 3
+        for node, got in zip(path, snaps):
+            assert all(s.start == node.start and s.end == node.end for s in got)
+        middle = tmp_path / "cold" / path[1].record.file
+        raw = bytearray(middle.read_bytes())
+        raw[-3] ^= 0x10
+        middle.write_bytes(bytes(raw))
+    with PromptStore.open(tmp_path, hot_bytes=0) as store:
+        space = store.namespace(model, model_id="m")
+        path = sorted(store.index.iter_nodes(space.namespace), key=lambda n: n.start)
+        snaps, cold = store.tiers.get_path(path)
+        assert len(snaps) == 1 and [n.key for n in cold] == [path[0].key]
+        assert [r.reason for r in store.tiers.reports] == ["checksum"]
+        assert space.fetch(mx.concatenate([tokens, prompt_tokens(3, seed=9)])).length == 30
