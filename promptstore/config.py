@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .errors import SettingsError
 
@@ -34,18 +34,13 @@ class Settings(BaseModel):
     dir_mode: int = Field(0o700, description="permissions of store directories")
     map_size: int = Field(64 << 20, ge=1 << 16, description="initial LMDB map size; it grows when full")
 
-    @field_validator("file_mode")
+    @field_validator("file_mode", "dir_mode")
     @classmethod
-    def _owner_reads_and_writes(cls, mode: int) -> int:
-        if not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
-            raise ValueError(f"{oct(mode)}: a permission mode (at most 0o777) that lets the owner read and write")
-        return mode
-
-    @field_validator("dir_mode")
-    @classmethod
-    def _owner_enters(cls, mode: int) -> int:
-        if not 0 <= mode <= 0o777 or mode & 0o700 != 0o700:
-            raise ValueError(f"{oct(mode)}: a permission mode (at most 0o777) that lets the owner list, enter and write")
+    def _owner_keeps_access(cls, mode: int, info: ValidationInfo) -> int:
+        # Files: the owner reads and writes; directories: also lists and enters.
+        need = 0o600 if info.field_name == "file_mode" else 0o700
+        if not 0 <= mode <= 0o777 or mode & need != need:
+            raise ValueError(f"{oct(mode)}: a permission mode (at most 0o777) that includes {oct(need)}")
         return mode
 
     @classmethod

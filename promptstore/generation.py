@@ -38,13 +38,16 @@ def prefill(model: nn.Module, cache: list, tokens: list[int], start: int, end: i
         mx.eval([c.state for c in cache])
 
 
-def stream_generate(model: nn.Module, tokenizer, prompt: Prompt, *, store: Space, **kwargs: Any) -> Generator:
+def stream_generate(model: nn.Module, tokenizer, prompt: Prompt, *, store: Space,
+                    checkpoints: Sequence[int] = (), **kwargs: Any) -> Generator:
     """mlx_lm.stream_generate with a prompt-cache store: same arguments and
-    responses (prompt_tokens counts the whole prompt), plus `store`."""
+    responses (prompt_tokens counts the whole prompt), plus `store` and
+    `checkpoints` (token positions later prompts will share, such as the end of
+    the system prompt: see Space.fetch)."""
     if "prompt_cache" in kwargs:
         raise TypeError("pass store=, not prompt_cache=: the store provides the cache")
     tokens = encode(tokenizer, prompt)
-    hit = store.fetch(tokens)
+    hit = store.fetch(tokens, checkpoints)
     cache, position = hit.cache, hit.length
     step = store.store.settings.prefill_step
     # Checkpoints, then the whole prompt but its last token: stored before

@@ -18,8 +18,9 @@ import numpy as np
 
 from .. import caches as C
 from ..caches import Snapshot
+from ..caches.base import as_position
 from ..errors import (CacheError, CacheShapeError, CorruptRecordError, KeyCollisionError, NodeNotFoundError,
-                      SettingsError, StaleInsertError, UnsupportedCacheError)
+                      SettingsError, SnapshotRangeError, StaleInsertError, UnsupportedCacheError)
 from ..index import LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens
 
 if TYPE_CHECKING:
@@ -161,10 +162,17 @@ class Space:
 
     # --- fetch ------------------------------------------------------------------------
 
-    def fetch(self, tokens) -> Hit:
-        """The longest stored, restorable prefix of `tokens` (always leaving one token)."""
+    def fetch(self, tokens, checkpoints: Sequence[int] = ()) -> Hit:
+        """The longest stored, restorable prefix of `tokens` (always leaving one token).
+
+        checkpoints: positions the caller knows later prompts will share (the end
+            of a system prompt, of a message), asked for in `hit.checkpoints` when
+            the model has window or recurrent layers, which restore only where
+            their state was stored (attention layers restore anywhere).
+        """
         start = time.perf_counter()
         toks = as_tokens(tokens)
+        wanted = self._wanted(checkpoints, len(toks))
         cache = self.new_cache()
         if len(toks) < 2:
             self._account([], misses=1)
@@ -182,7 +190,8 @@ class Space:
             self._account(path[:used], hits=1, tokens_served=length)
         else:
             self._account([], misses=1)
-        checkpoints = tuple(sorted({p for p in match.checkpoints if p > length} | set(self._grid(length, len(toks) - 1))))
+        checkpoints = tuple(sorted({p for p in match.checkpoints + wanted if p > length}
+                                   | set(self._grid(length, len(toks) - 1))))
         hit = Hit(length, cache, checkpoints, used, len([n for n in cold if n.start < length]), cold_tokens,
                   time.perf_counter() - start)
         self.last_hit = hit
@@ -201,6 +210,14 @@ class Space:
             self.index.touch(self._touched)
             self.index.bump(self.namespace, **self._counts)
         self._touched, self._counts, self._flushed = [], Counter(), time.monotonic()
+
+    def _wanted(self, checkpoints: Sequence[int], n_tokens: int) -> tuple[int, ...]:
+        positions = tuple(as_position(p, "checkpoint") for p in checkpoints)
+        if any(p > n_tokens for p in positions):
+            raise SnapshotRangeError(f"checkpoints {sorted(positions)} reach past the prompt's {n_tokens} tokens")
+        if self.namespace.whole_mask == 0:
+            return ()  # range layers restore anywhere
+        return tuple(p for p in positions if 0 < p < n_tokens)
 
     def _grid(self, start: int, end: int) -> tuple[int, ...]:
         if self.namespace.whole_mask == 0:

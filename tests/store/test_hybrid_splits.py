@@ -86,3 +86,51 @@ def test_a_prefill_through_the_branch_point_fills_its_checkpoint(tmp_path, famil
             length, err = served(space, model, tokens)
             assert length == len(tokens) - 3 and err < TOL, (length, err)
         assert list(store.tiers.reports) == []
+
+
+SYSTEM = A[:BRANCH]  # a system prompt every conversation starts with
+
+
+def converse(space, model, tokens, checkpoints=()):
+    """What stream_generate does: fetch, prefill to each checkpoint and insert, then the rest."""
+    hit = space.fetch(tokens, checkpoints)
+    position = hit.length
+    for point in [p for p in hit.checkpoints if p < len(tokens)] + [len(tokens)]:
+        if point > position:
+            forward(model, hit.cache, tokens[position:point])
+            space.insert(tokens[:point], hit.cache)
+            position = point
+    return hit
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "qwen3_next", "gemma3_text"])
+def test_a_checkpoint_the_caller_names_serves_the_second_conversation(tmp_path, family):
+    model = _model(family)
+    first, second = (mx.concatenate([SYSTEM, prompt_tokens(12, seed=s)]) for s in (41, 42))
+    with PromptStore.open(tmp_path / "told", durability="sync") as store:
+        space = store.namespace(model, model_id="m")
+        assert BRANCH in converse(space, model, first, checkpoints=(BRANCH,)).checkpoints
+        length, err = served(space, model, second)
+        assert length == BRANCH and err < TOL, (length, err)
+    with PromptStore.open(tmp_path / "not told", durability="sync") as store:
+        space = store.namespace(model, model_id="m")
+        converse(space, model, first)
+        assert space.fetch(second).length < BRANCH  # what the hint saves
+
+
+def test_named_checkpoints_are_not_needed_by_attention_only_models(tmp_path):
+    model = _model("llama")
+    with PromptStore.open(tmp_path) as store:
+        space = store.namespace(model, model_id="m")
+        assert space.fetch(A, checkpoints=(BRANCH,)).checkpoints == ()
+
+
+@pytest.mark.parametrize("bad", [(-1,), (len(A) + 1,), ("17",), (1.5,)])
+def test_bad_checkpoints_are_a_typed_error(tmp_path, bad):
+    from promptstore.errors import SnapshotRangeError
+
+    with PromptStore.open(tmp_path) as store:
+        space = store.namespace(_model("qwen3_next"), model_id="m")
+        with pytest.raises(SnapshotRangeError):
+            space.fetch(A, checkpoints=bad)
+        assert store.index.namespaces() and list(store.index.iter_nodes(space.namespace)) == []

@@ -213,3 +213,22 @@ def test_a_path_of_cold_nodes_is_read_together_and_stops_at_a_bad_file(tmp_path,
         assert len(snaps) == 1 and [n.key for n in cold] == [path[0].key]
         assert [r.reason for r in store.tiers.reports] == ["checksum"]
         assert space.fetch(mx.concatenate([tokens, prompt_tokens(3, seed=9)])).length == 30
+
+
+def test_disk_budget_evicts_the_least_valuable_leaf_first(tmp_path, model_of):
+    model = model_of("llama")
+    shared = prompt_tokens(20, seed=1)
+    dear, cheap = (mx.concatenate([shared, prompt_tokens(20, seed=s)]) for s in (2, 3))
+    with PromptStore.open(tmp_path, durability="sync") as store:
+        space = store.namespace(model, model_id="m")
+        for tokens, seconds in ((dear, 10.0), (cheap, 0.001)):
+            cache = fresh_cache(model)
+            forward(model, cache, tokens)
+            space.insert(tokens, cache, prefill_seconds=seconds)
+        leaves = [n for n in store.index.iter_nodes(space.namespace) if store.index.is_leaf(n.key)]
+        assert len(leaves) == 2
+        total = store.tiers.cold_bytes()
+        removed, freed = store.tiers.evict_cold(total - 1)
+        assert removed == 1 and store.tiers.cold_bytes() <= total - 1
+        assert space.fetch(mx.concatenate([dear, prompt_tokens(2)])).length == len(dear)
+        assert space.fetch(mx.concatenate([cheap, prompt_tokens(2)])).length < len(cheap)

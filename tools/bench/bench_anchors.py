@@ -528,7 +528,8 @@ class Store(Contender):
         out = Outcome(req.name, len(req.prompt))
         tokens, space = req.prompt, self.space
         t0 = time.perf_counter()
-        hit = space.fetch(tokens)
+        # The end of the system segment, as the mlx-lm server is told it (see LRU).
+        hit = space.fetch(tokens, checkpoints=(req.sys_end,) if 0 < req.sys_end < len(tokens) else ())
         cache, position = hit.cache, hit.length
         self._restored(out, cache, hit.length, t0)
         out.cold_tokens = hit.cold_tokens
