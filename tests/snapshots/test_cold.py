@@ -895,3 +895,35 @@ def test_a_damaged_array_of_a_large_file_is_caught(tier, which):
     at = header_end(raw) + 5 if which == "first" else len(raw) - 5
     path.write_bytes(_flip(raw, at))
     assert outcome(tier, ref.path, snaps) == "cold:checksum"
+
+
+@pytest.mark.parametrize("cut", [0.3, 0.99])
+def test_a_file_truncated_after_its_header_check_is_unreadable(tier, monkeypatch, cut):
+    """Another process truncated the file between the header check and MLX's
+    read: a miss, never an exception from MLX's reading thread."""
+    snaps = _big_snapshots(layers=2)
+    ref = put(tier, snaps)
+    real_load = mx.load
+
+    def truncated_first(path):
+        os.truncate(path, int(os.path.getsize(path) * cut))
+        return real_load(path)
+
+    monkeypatch.setattr(mx, "load", truncated_first)
+    assert outcome(tier, ref.path, snaps) in {"cold:unreadable", "cold:checksum"}
+
+
+def test_a_file_truncated_while_mlx_reads_it_is_a_miss_or_served_whole(tier):
+    """Racing MLX's read: whatever it read before the cut is verified like the rest."""
+    snaps = _big_snapshots(layers=2)
+    ref = put(tier, snaps)
+    start, end = span(snaps)
+    pending = tier.start_load(ref.path, key=KEY, namespace=NS, start=start, end=end)
+    path = path_of(tier, ref.path)
+    os.truncate(path, path.stat().st_size // 2)
+    try:
+        got = pending.result()
+    except ColdFileError as e:
+        assert e.reason in {"unreadable", "checksum"}
+    else:
+        assert same(got, snaps)
