@@ -61,6 +61,7 @@ class FileRef:
 # Hashing runs on a few threads (xxhash releases the GIL): below this many bytes
 # a file is hashed on the calling thread, where the hand-off would cost more.
 PARALLEL_HASH_BYTES = 4 << 20
+HASH_THREADS = min(8, os.cpu_count() or 1)
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
@@ -70,8 +71,7 @@ def _hash_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                                     thread_name_prefix="promptstore-hash"))
+            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="promptstore-hash"))
         return _pool[1]
 
 
@@ -79,14 +79,24 @@ def checksums(arrays: dict[str, mx.array]) -> dict[str, str]:
     """checksum() of every array. Arrays MLX is still computing or loading
     (mx.async_eval) are waited for in turn, each hashed on the hashing threads
     as soon as it is there, while MLX goes on with the rest."""
-    if len(arrays) < 2 or sum(a.nbytes for a in arrays.values()) < PARALLEL_HASH_BYTES:
+    total = sum(a.nbytes for a in arrays.values())
+    if len(arrays) < 2 or total < PARALLEL_HASH_BYTES:
         mx.eval(list(arrays.values()))
         return {name: checksum(a) for name, a in arrays.items()}
-    pool, pending = _hash_pool(), {}
-    for name, a in arrays.items():
-        mx.eval(a)
-        pending[name] = pool.submit(xxhash.xxh3_128_hexdigest, _row_major_bytes(a))  # MLX work stays here
-    return {name: f.result() for name, f in pending.items()}
+    pool = _hash_pool()
+    # Work in runs of consecutive arrays, a few per thread, so that many small
+    # arrays do not cost a wait and a hand-off each.
+    share = max(total // (4 * HASH_THREADS), 1 << 20)
+    pending, run, run_bytes = [], [], 0
+    for i, (name, a) in enumerate(arrays.items()):
+        run.append((name, a))
+        run_bytes += a.nbytes
+        if run_bytes >= share or i == len(arrays) - 1:
+            mx.eval([x for _, x in run])
+            views = [(n, _row_major_bytes(x)) for n, x in run]  # MLX work stays on this thread
+            pending.append(pool.submit(lambda vs: [(n, xxhash.xxh3_128_hexdigest(v)) for n, v in vs], views))
+            run, run_bytes = [], 0
+    return {name: digest for f in pending for name, digest in f.result()}
 
 
 def checksum(array: mx.array) -> str:
