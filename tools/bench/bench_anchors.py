@@ -27,7 +27,8 @@ Contenders, run one after another on the same requests and the same model:
                      per conversation (a fork starts from its parent's file),
                      trimmed to the common prefix where the cache allows.
 - promptstore hot    PromptStore defaults (write_back, hot tier 2 GiB unless
-                     the profile says otherwise).
+                     the profile says otherwise), told the end of the system
+                     segment as mlx-lm's server is (fetch(checkpoints=...)).
 - promptstore cold   hot_bytes=0, spills flushed after every request: every
                      hit is read from its files.
 - ceilings           per hit, the same restored bytes produced by one
@@ -37,8 +38,9 @@ Contenders, run one after another on the same requests and the same model:
 Every contender generates with mlx_lm.generate.generate_step (what
 mlx_lm.stream_generate and the server run) and greedy sampling; prefill is
 chunked by the same step everywhere. promptstore's contender makes exactly the
-calls promptstore.stream_generate makes (fetch; prefill to each checkpoint and
-insert; generate; insert prompt + reply), through the public Space API.
+calls promptstore.stream_generate(checkpoints=[end of the system segment])
+makes (fetch; prefill to each checkpoint and insert; generate; insert prompt +
+reply), through the public Space API.
 
 Reported per workload and contender: tokens prefilled, time to first token
 (TTFT) p50 / p95 over all requests and over hits, bytes on disk, restore GB/s
@@ -1047,8 +1049,9 @@ How to read the tables:
   at the cache's first write, inside the prefill, so its restore column can beat the one-copy floor.
 - Hybrid runs are smaller (fewer conversations and turns) than the chat run: their prefill cut and
   disk ratio are shown against the chat goals but are not the chat workload. promptstore spends its
-  disk there on whole-state checkpoints (window or recurrent state at branch points and every
-  `checkpoint_interval` tokens), the restore points those layers need.
+  disk there on whole-state checkpoints (window or recurrent state at branch points, at the end
+  of the system segment it is told, as mlx-lm's server is, and every `checkpoint_interval`
+  tokens), the restore points those layers need.
 """
 
 
