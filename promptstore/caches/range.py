@@ -9,6 +9,7 @@ snapshots then record `data_start`, the first position they hold data for.
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar, Optional
 
 import mlx.core as mx
@@ -25,6 +26,14 @@ from .base import (
 from .snapshot import Snapshot, own
 
 AXIS = 2
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple, dtype) -> mx.array:
+    """Headroom filler, made once per shape: every restore concatenates a copy of it."""
+    z = mx.zeros(shape, dtype=dtype)
+    mx.eval(z)
+    return z
 
 
 def data_start(snapshot: Snapshot) -> int:
@@ -148,8 +157,9 @@ class RangeKind(SnapshotProtocol):
             if last < covered:
                 return None  # a gap
             take_lo = max(first, lo)
+            whole = take_lo == first and covered - first == next(iter(arrays.values())).shape[AXIS]
             for n, a in arrays.items():
-                pieces.setdefault(n, []).insert(0, a[..., take_lo - first : covered - first, :])
+                pieces.setdefault(n, []).insert(0, a if whole else a[..., take_lo - first : covered - first, :])
             covered = take_lo
             if covered <= lo:
                 break
@@ -159,7 +169,7 @@ class RangeKind(SnapshotProtocol):
         template = {n: p[-1] for n, p in pieces.items()}
         room = headroom(target)
         for n, t in template.items():
-            pieces[n].append(mx.zeros((*t.shape[:2], room, t.shape[3]), dtype=t.dtype))
+            pieces[n].append(_zeros((*t.shape[:2], room, t.shape[3]), t.dtype))
         return pieces
 
     def _check_against_live(self, chain: list[Snapshot]) -> None:
