@@ -25,6 +25,7 @@ from ..config import Settings
 from ..errors import ColdFileError, CorruptRecordError, NodeHasChildrenError, NodeNotFoundError, StaleInsertError
 from ..index import Index, Node
 from ..snapshots import ColdTier, HotTier, SpillJob, Writer
+from ..snapshots.cold import PendingLoad
 from ..snapshots.value import value
 
 log = logging.getLogger("promptstore.store")
@@ -124,22 +125,22 @@ class Tiers:
         """The snapshots of `nodes`, in order up to the first miss, and the nodes
         that came from disk. The files of all nodes not in memory are started
         together: MLX reads them back to back while the earlier ones are verified."""
-        started = {}
+        found = []  # (node, its snapshots, or the load of its file); each node looked up once
         for node in nodes:
-            if self._held(node) is None:
-                pending = self._start_load(node)
-                if pending is None:
+            held = self._held(node)
+            if held is None:
+                held = self._start_load(node)
+                if held is None:
                     break  # a miss: nothing after it is used
-                started[node.key] = pending
+            found.append((node, held))
         out, cold = [], []
-        for node in nodes:
-            pending = started.pop(node.key, None)
-            got = self._held(node) if pending is None else self._finish_load(node, pending)
-            if got is None:
-                break
-            if pending is not None:
+        for node, held in found:
+            if isinstance(held, PendingLoad):
+                held = self._finish_load(node, held)
+                if held is None:
+                    break
                 cold.append(node)
-            out.append(got)
+            out.append(held)
         return out, cold
 
     def _held(self, node: Node) -> Optional[list[Snapshot]]:

@@ -232,3 +232,16 @@ def test_disk_budget_evicts_the_least_valuable_leaf_first(tmp_path, model_of):
         assert removed == 1 and store.tiers.cold_bytes() <= total - 1
         assert space.fetch(mx.concatenate([dear, prompt_tokens(2)])).length == len(dear)
         assert space.fetch(mx.concatenate([cheap, prompt_tokens(2)])).length < len(cheap)
+
+
+# Regression (was a defect): get_path looked each held node up twice, so every fetch
+# counted two hot hits per node (hits weigh a node's value in eviction)
+def test_a_fetch_counts_one_hot_hit_per_node(tmp_path, model_of):
+    model = model_of("llama")
+    tokens = prompt_tokens(90)
+    with PromptStore.open(tmp_path) as store:
+        space = _fill(store, model, tokens, [30, 60, 89])
+        keys = [n.key for n in store.index.iter_nodes(space.namespace)]
+        before = {k: store.tiers.hot.entries[k].hits for k in keys}
+        assert space.fetch(mx.concatenate([tokens, prompt_tokens(2, seed=7)])).length == 89
+        assert {k: store.tiers.hot.entries[k].hits - before[k] for k in keys} == dict.fromkeys(keys, 1)
