@@ -38,6 +38,19 @@ def forward(model, cache, tokens: mx.array) -> mx.array:
     return logits
 
 
+def insert_following_checkpoints(space, model, tokens: mx.array, checkpoints=()):
+    """What stream_generate does before it generates: fetch, then prefill to each
+    checkpoint the hit asks for and to the end, inserting at each; returns the hit."""
+    hit = space.fetch(tokens, checkpoints)
+    position = hit.length
+    for point in (*hit.checkpoints, len(tokens)):
+        if point > position:
+            forward(model, hit.cache, tokens[position:point])
+            space.insert(tokens[:point], hit.cache)
+            position = point
+    return hit
+
+
 def greedy(model, cache, logits: mx.array, n: int) -> list[int]:
     """n greedy tokens continuing from `logits`."""
     out = []

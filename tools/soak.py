@@ -71,9 +71,8 @@ def signature(e: BaseException) -> str:
 
 
 def crash(args, work: Path) -> dict:
-    from promptstore.snapshots.cold import TEMP_MARK
     from promptstore.store.compact import compact
-    from tests.store.test_crash import Checker, Writer
+    from tests.store.test_crash import Checker, Writer, leftovers
 
     out = {}
     for durability in args.crash_durability:
@@ -94,19 +93,11 @@ def crash(args, work: Path) -> dict:
             last = not budget.more()
             pending = None if last else Writer(root, durability, args.seed * 1000 + budget.done, logs)
             time.sleep(rng.uniform(0.2, 2.5))
-            died = writer.proc.poll()
-            checker.stats["inserts"] += writer.kill()
-            if died is not None:
-                checker.stats["writer_died"] += 1
-                checker.reports.append(("writer", (died, writer.errors())))
-            checker.stats["trials"] += 1
-            checker.check(root)
+            checker.kill_and_check(writer, root)
             if last:
                 break
         stats = Counter(checker.stats)
-        cold = root / "cold"
-        stats["temp_leftovers"] = sum(1 for _ in (cold / "files").rglob(f"*{TEMP_MARK}*"))
-        stats["quarantined"] = sum(1 for _ in (cold / "quarantine").iterdir())
+        stats.update(leftovers(root))
         try:
             report = compact(root, verify=True, max_bytes=1 << 30)
             stats["compact_status"] = report.status

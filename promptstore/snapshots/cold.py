@@ -123,7 +123,7 @@ class PendingLoad:
     checked its identity, record and every array's checksum."""
 
     def __init__(self, tier: "ColdTier", rel: str, key: bytes, namespace: bytes, start: int, end: int):
-        self.tier, self.rel, self.span = tier, rel, (start, end)
+        self.rel, self.span = rel, (start, end)
         self.error: ColdFileError | None = None
         self.arrays: dict[str, mx.array] = {}
         try:
@@ -141,9 +141,9 @@ class PendingLoad:
 
     def result(self) -> list[Snapshot]:
         """The verified snapshots, or ColdFileError saying what is wrong."""
-        rel, (start, end), meta = self.rel, self.span, getattr(self, "meta", None)
         if self.error is not None:
             raise self.error
+        rel, (start, end), meta = self.rel, self.span, self.meta
         if set(meta.checksums) != set(self.header):
             raise ColdFileError(f"{rel}: checksums do not name the file's arrays", "header", rel)
         if xxhash.xxh3_128_hexdigest(self.metadata.get(METADATA_KEY, "").encode()) != meta.record:
@@ -222,8 +222,7 @@ class ColdTier:
     def write(self, key: bytes, namespace: bytes, start: int, end: int, snapshots: Sequence[Snapshot]) -> FileRef:
         """Write a node's snapshots durably; returns the ref to publish in the index."""
         arrays, metadata = to_flat(snapshots)
-        mx.eval(list(arrays.values()))
-        sums = checksums(arrays)
+        sums = checksums(arrays)  # evaluates the arrays too
         meta = NodeFileMeta(format_version=FORMAT_VERSION, key=key.hex(), namespace=namespace.hex(),
                             start=start, end=end, checksums=sums,
                             record=xxhash.xxh3_128_hexdigest(metadata[METADATA_KEY].encode()))

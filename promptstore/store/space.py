@@ -83,14 +83,6 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _leaves(caches):
-    for c in caches:
-        if hasattr(c, "caches"):
-            yield from _leaves(c.caches)
-        else:
-            yield c
-
-
 def split_for_edge(snapshot: Snapshot, at: int):
     """Split a stored node's snapshot where an edge is cut.
 
@@ -115,9 +107,10 @@ def split_for_edge(snapshot: Snapshot, at: int):
 
 
 def _describe(signature: tuple) -> str:
-    if signature and isinstance(signature[0], tuple) and signature[0] and isinstance(signature[0][0], str):
-        return ", ".join(f"{n} {d.rsplit('.', 1)[-1]} {list(s)}" for n, d, s in signature)
-    return "[" + "; ".join(_describe(s) for s in signature) + "]" if signature else "none"
+    """A `signature()` in words: 'keys float16 [1, 8, 64], ...', a cache list's children in []."""
+    parts = [f"{e[0]} {e[1].rsplit('.', 1)[-1]} {list(e[2])}" if e and isinstance(e[0], str) else f"[{_describe(e)}]"
+             for e in signature]
+    return ", ".join(parts) or "none"
 
 
 class _SplitDataUnavailable(Exception):
@@ -300,14 +293,9 @@ class Space:
         if given != list(self.namespace.spec.layers):
             raise CacheShapeError(f"the cache's layout does not match namespace {self.namespace.hex[:12]}: "
                                   f"{len(given)} layers of {[g.kind for g in given][:4]}...")
-        live = [c for c in _leaves(cache) if getattr(c, "keys", None) is not None]
-        for c in live:
-            keys = c.keys[0] if isinstance(c.keys, tuple) else c.keys
-            if str(keys.dtype).rsplit(".", 1)[-1] != dtype and not isinstance(c.keys, tuple):
-                raise CacheShapeError(f"cache arrays are {keys.dtype}, the namespace's model runs in {dtype}")
 
     def _check_arrays(self, cache) -> None:
-        """Every layer's arrays have the batch size, head count, head dim and dtype
+        """Every layer's arrays have the dtype, batch size, head count and head dim
         this model gives them (another model with the same layer kinds, or a batch
         of 2, would otherwise be stored and later served to this one)."""
         expected = self.array_signatures()

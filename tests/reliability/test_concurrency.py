@@ -212,14 +212,26 @@ def test_compact_leaves_this_processs_inflight_spill_alone(tmp_path):
         assert store.tiers.counts["miss_disk"] == 0, list(store.tiers.reports)
 
 
+def _chain_of_two(root):
+    """A store holding the chain [0, 24) -> [24, 48) of BASE, on disk; returns the model."""
+    model = _model("llama")
+    with PromptStore.open(root, durability="sync") as store:
+        space = store.namespace(model, model_id="m")
+        prefill_insert(space, model, BASE[:24])
+        prefill_insert(space, model, BASE[:48])
+    return model
+
+
+def _assert_chain_serves_from_disk(root, model):
+    with PromptStore.open(root, hot_bytes=0) as store:
+        length, err = continuation_error(store.namespace(model, model_id="m"), model, BASE[:50])
+        assert (length, list(store.tiers.reports)) == (48, []) and err < TOL
+
+
 def test_compact_joins_only_the_pair_it_merged(tmp_path, monkeypatch):
     from promptstore.index import Index
 
-    model = _model("llama")
-    with PromptStore.open(tmp_path, durability="sync") as store:
-        space = store.namespace(model, model_id="m")
-        prefill_insert(space, model, BASE[:24])
-        prefill_insert(space, model, BASE[:48])  # a chain: [0, 24) -> [24, 48)
+    model = _chain_of_two(tmp_path)
     real = Index.join_child
     with PromptStore.open(tmp_path, durability="sync") as other:
         theirs = other.namespace(model, model_id="m")
@@ -235,9 +247,7 @@ def test_compact_joins_only_the_pair_it_merged(tmp_path, monkeypatch):
         report = compact(tmp_path, max_bytes=1 << 30)
         monkeypatch.undo()
     assert raced and report.status != "failed", report.errors
-    with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        length, err = continuation_error(store.namespace(model, model_id="m"), model, BASE[:50])
-        assert (length, list(store.tiers.reports)) == (48, []) and err < TOL
+    _assert_chain_serves_from_disk(tmp_path, model)
 
 
 # Regression (was a defect): Compactor._join named the merged file after the child's key and
@@ -247,11 +257,7 @@ def test_compact_joins_only_the_pair_it_merged(tmp_path, monkeypatch):
 def test_two_compacts_merging_the_same_chain(tmp_path, monkeypatch):
     from promptstore.index import Index
 
-    model = _model("llama")
-    with PromptStore.open(tmp_path, durability="sync") as store:
-        space = store.namespace(model, model_id="m")
-        prefill_insert(space, model, BASE[:24])
-        prefill_insert(space, model, BASE[:48])  # a chain: [0, 24) -> [24, 48)
+    model = _chain_of_two(tmp_path)
     real = Index.join_child
     other_compact = []
 
@@ -267,9 +273,7 @@ def test_two_compacts_merging_the_same_chain(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert other_compact[1].actions.get("merged chains", {}).get("nodes") == 1
     assert report.status != "failed", report.errors
-    with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        length, err = continuation_error(store.namespace(model, model_id="m"), model, BASE[:50])
-        assert (length, list(store.tiers.reports)) == (48, []) and err < TOL
+    _assert_chain_serves_from_disk(tmp_path, model)
 
 
 def test_a_file_removed_right_after_its_rename_is_a_disk_write_error(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ import pytest
 from promptstore import PromptStore
 from promptstore.index import trie
 
-from ..conftest import _model, forward, prompt_tokens
+from ..conftest import _model, insert_following_checkpoints, prompt_tokens
 from ._util import TOL, continuation_error, prefill_insert
 
 MODEL_ID = "shared-model-v1"
@@ -39,13 +39,7 @@ def store_victim(root, family):
     with PromptStore.open(root, durability="sync", checkpoint_interval=32) as store:
         victim = store.namespace(model, model_id=MODEL_ID, salt=VICTIM)
         for tokens in (SYSTEM[:48], SYSTEM, TURN):
-            hit = victim.fetch(tokens)
-            pos = hit.length
-            for point in (*hit.checkpoints, len(tokens)):
-                if point > pos:
-                    forward(model, hit.cache, tokens[pos:point])
-                    victim.insert(tokens[:point], hit.cache)
-                    pos = point
+            insert_following_checkpoints(victim, model, tokens)
         nodes = list(store.index.iter_nodes(victim.namespace))
     assert len(nodes) >= 3
     return nodes

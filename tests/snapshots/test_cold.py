@@ -14,7 +14,6 @@ import stat
 import struct
 
 import mlx.core as mx
-import numpy as np
 import pytest
 import xxhash
 from hypothesis import HealthCheck, example, given, settings

@@ -20,7 +20,7 @@ from promptstore.index import records
 from promptstore.snapshots.cold import TEMP_MARK
 from promptstore.store import PromptStore
 
-from ..conftest import _model, forward, fresh_cache, prompt_tokens
+from ..conftest import _model, forward, fresh_cache, insert_following_checkpoints, prompt_tokens
 
 TOKENS = prompt_tokens(80, seed=11)
 SHALLOW, DEEP = 30, 60  # two nodes: [0, 30) and [30, 60)
@@ -353,13 +353,7 @@ def test_fork_at_a_checkpoint_keeps_every_branch_servable(tmp_path, family):
     with PromptStore.open(tmp_path, durability="sync") as store:
         space = store.namespace(model, model_id="m")
         for seq in (a, b):
-            hit = space.fetch(seq)
-            pos = hit.length
-            for point in (*hit.checkpoints, len(seq)):
-                if point > pos:
-                    forward(model, hit.cache, seq[pos:point])
-                    space.insert(seq[:point], hit.cache)
-                    pos = point
+            insert_following_checkpoints(space, model, seq)
     got = {}
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
         space = store.namespace(model, model_id="m")

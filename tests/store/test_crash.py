@@ -99,6 +99,17 @@ class Checker:
         self.stats = collections.Counter()
         self.reports: list = []
 
+    def kill_and_check(self, writer, root: Path) -> None:
+        """SIGKILL `writer` (counting what it inserted, and whether it had died on
+        its own), then open the store and check every hit."""
+        died = writer.proc.poll()
+        self.stats["inserts"] += writer.kill()
+        if died is not None:
+            self.stats["writer_died"] += 1
+            self.reports.append(("writer", (died, writer.errors())))
+        self.stats["trials"] += 1
+        self.check(root)
+
     def reference(self, i: int, n: int) -> mx.array:
         if (i, n) not in self.want:
             self.want[i, n] = forward(self.model, fresh_cache(self.model), SEQS[i][:n])
@@ -141,6 +152,13 @@ class Checker:
             store.close()
 
 
+def leftovers(root: Path) -> dict:
+    """Files a killed writer left: temporary files and quarantined ones."""
+    cold = root / "cold"
+    return {"temp_leftovers": sum(1 for _ in (cold / "files").rglob(f"*{TEMP_MARK}*")),
+            "quarantined": sum(1 for _ in (cold / "quarantine").iterdir())}
+
+
 def run_trials(tmp_path: Path, durability: str, trials: int, delays: tuple[float, float], seed: int):
     root, logs = tmp_path / "store", tmp_path / "logs"
     logs.mkdir()
@@ -157,16 +175,8 @@ def run_trials(tmp_path: Path, durability: str, trials: int, delays: tuple[float
         # The next writer imports while this one writes and while the store is checked.
         pending = Writer(root, durability, seed * 1000 + trial + 1, logs) if trial + 1 < trials else None
         time.sleep(rng.uniform(*delays))
-        died = writer.proc.poll()
-        checker.stats["inserts"] += writer.kill()
-        if died is not None:
-            checker.stats["writer_died"] += 1
-            checker.reports.append(("writer", (died, writer.errors())))
-        checker.stats["trials"] += 1
-        checker.check(root)
-    cold = root / "cold"
-    checker.stats["temp_leftovers"] = sum(1 for _ in (cold / "files").rglob(f"*{TEMP_MARK}*"))
-    checker.stats["quarantined"] = sum(1 for _ in (cold / "quarantine").iterdir())
+        checker.kill_and_check(writer, root)
+    checker.stats.update(leftovers(root))
     stats = dict(checker.stats)
     print(f"crash[{durability}] in {time.monotonic() - started:.1f} s: {stats}")
     return stats, checker.reports

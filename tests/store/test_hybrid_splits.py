@@ -15,7 +15,7 @@ import pytest
 from promptstore import PromptStore
 from promptstore.store.compact import compact
 
-from ..conftest import _model, forward, fresh_cache, prompt_tokens
+from ..conftest import _model, forward, fresh_cache, insert_following_checkpoints, prompt_tokens
 
 TOL = 1e-4
 A = prompt_tokens(40, seed=31)
@@ -91,30 +91,18 @@ def test_a_prefill_through_the_branch_point_fills_its_checkpoint(tmp_path, famil
 SYSTEM = A[:BRANCH]  # a system prompt every conversation starts with
 
 
-def converse(space, model, tokens, checkpoints=()):
-    """What stream_generate does: fetch, prefill to each checkpoint and insert, then the rest."""
-    hit = space.fetch(tokens, checkpoints)
-    position = hit.length
-    for point in [p for p in hit.checkpoints if p < len(tokens)] + [len(tokens)]:
-        if point > position:
-            forward(model, hit.cache, tokens[position:point])
-            space.insert(tokens[:point], hit.cache)
-            position = point
-    return hit
-
-
 @pytest.mark.parametrize("family", ["falcon_h1", "qwen3_next", "gemma3_text"])
 def test_a_checkpoint_the_caller_names_serves_the_second_conversation(tmp_path, family):
     model = _model(family)
     first, second = (mx.concatenate([SYSTEM, prompt_tokens(12, seed=s)]) for s in (41, 42))
     with PromptStore.open(tmp_path / "told", durability="sync") as store:
         space = store.namespace(model, model_id="m")
-        assert BRANCH in converse(space, model, first, checkpoints=(BRANCH,)).checkpoints
+        assert BRANCH in insert_following_checkpoints(space, model, first, checkpoints=(BRANCH,)).checkpoints
         length, err = served(space, model, second)
         assert length == BRANCH and err < TOL, (length, err)
     with PromptStore.open(tmp_path / "not told", durability="sync") as store:
         space = store.namespace(model, model_id="m")
-        converse(space, model, first)
+        insert_following_checkpoints(space, model, first)
         assert space.fetch(second).length < BRANCH  # what the hint saves
 
 
