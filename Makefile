@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 
-.PHONY: setup demo test test-slow bench bench-anchors soak soak-quick openblas clean
+.PHONY: setup demo test test-slow lint format bench bench-anchors soak soak-quick openblas redis clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,8 +21,17 @@ setup: $(STAMP)
 demo: setup
 	$(BLAS_ENV) $(BIN)/promptstore demo
 
-test: setup
+test: setup redis lint
 	$(BIN)/python -m pytest -q
+
+# One style, checked in CI (`make test` runs it first); `make format` applies it.
+lint: setup
+	$(BIN)/ruff check promptstore tests tools
+	$(BIN)/ruff format --check --quiet promptstore tests tools
+
+format: setup
+	$(BIN)/ruff check --fix promptstore tests tools
+	$(BIN)/ruff format promptstore tests tools
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
@@ -51,6 +60,14 @@ soak-quick: setup
 
 openblas:
 	@test -f $(OPENBLAS) || (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread)
+
+# The remote-tier tests start a real redis-server on a free loopback port.
+# Installed when missing; where it cannot be, those tests skip and say why.
+redis:
+	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || \
+	  (DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null) || \
+	  echo "redis-server could not be installed: the remote-tier tests will skip"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

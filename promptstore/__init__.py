@@ -8,8 +8,12 @@ __version__ = "0.1.0"
 __all__ = ["Hit", "PromptStore", "Settings", "Space", "generate", "stream_generate"]
 
 _HOMES = {
-    "Hit": "store", "PromptStore": "store", "Space": "store", "Settings": "config",
-    "generate": "generation", "stream_generate": "generation",
+    "Hit": "store",
+    "PromptStore": "store",
+    "Space": "store",
+    "Settings": "config",
+    "generate": "generation",
+    "stream_generate": "generation",
 }
 
 

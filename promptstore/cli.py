@@ -36,7 +36,9 @@ def _generate(args) -> int:
         for response in stream_generate(model, tokenizer, prompt, store=space, max_tokens=args.max_tokens):
             print(response.text, end="", flush=True)
         hit = space.last_hit
-        print(f"\n[{hit.length} of {len(prompt)} prompt tokens restored in {hit.seconds * 1e3:.1f} ms]", file=sys.stderr)
+        print(
+            f"\n[{hit.length} of {len(prompt)} prompt tokens restored in {hit.seconds * 1e3:.1f} ms]", file=sys.stderr
+        )
     return 0
 
 
@@ -54,12 +56,22 @@ def _stats(args) -> int:
             c = store.index.counters(ns)
             nodes = list(store.index.iter_nodes(ns))
             cold = sum(n.record.nbytes for n in nodes if n.record.file)
-            table.add_row(ns.hex[:12], ns.spec.model_id or ns.spec.weights_digest[:12], str(len(nodes)),
-                          str(c.get("tokens_stored", 0)), str(c.get("hits", 0)), str(c.get("misses", 0)),
-                          str(c.get("tokens_served", 0)), f"{cold / 2**20:.1f} MiB")
+            table.add_row(
+                ns.hex[:12],
+                ns.spec.model_id or ns.spec.weights_digest[:12],
+                str(len(nodes)),
+                str(c.get("tokens_stored", 0)),
+                str(c.get("hits", 0)),
+                str(c.get("misses", 0)),
+                str(c.get("tokens_served", 0)),
+                f"{cold / 2**20:.1f} MiB",
+            )
         Console().print(table)
-        largest = sorted((n for ns in store.index.namespaces() for n in store.index.iter_nodes(ns)),
-                         key=lambda n: n.end, reverse=True)[:5]
+        largest = sorted(
+            (n for ns in store.index.namespaces() for n in store.index.iter_nodes(ns)),
+            key=lambda n: n.end,
+            reverse=True,
+        )[:5]
         for n in largest:
             print(f"  prefix of {n.end} tokens (node {n.key.hex()[:12]}, span [{n.start}, {n.end}))")
     return 0

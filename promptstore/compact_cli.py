@@ -39,11 +39,18 @@ def run(argv=None) -> int:
     path = args.store or str(default_path())
     budget = args.max_bytes if args.max_bytes is not None else Settings.from_env().disk_bytes
     console = Console(stderr=args.json)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True,
-                  disable=args.json) as progress:
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True, disable=args.json
+    ) as progress:
         task = progress.add_task("compacting")
-        report = compact(path, max_bytes=budget, verify=args.verify, dry_run=args.dry_run,
-                         lmdb=not args.no_lmdb, tick=lambda step: progress.update(task, description=step))
+        report = compact(
+            path,
+            max_bytes=budget,
+            verify=args.verify,
+            dry_run=args.dry_run,
+            lmdb=not args.no_lmdb,
+            tick=lambda step: progress.update(task, description=step),
+        )
     if args.json:
         print(json.dumps({**asdict(report), "status": report.status}, indent=2))
     else:

@@ -19,7 +19,9 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    hot_bytes: int = Field(2 * GiB, ge=0, description="memory budget of the hot tier (per process); 0 keeps nothing hot")
+    hot_bytes: int = Field(
+        2 * GiB, ge=0, description="memory budget of the hot tier (per process); 0 keeps nothing hot"
+    )
     disk_bytes: int = Field(32 * GiB, ge=0, description="disk budget of the cold tier, brought back by evicting leaves")
     durability: Literal["write_back", "write_through", "sync"] = Field(
         "write_back",
@@ -44,7 +46,7 @@ class Settings(BaseModel):
         return mode
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "Settings":
+    def from_env(cls, **overrides: Any) -> Settings:
         """Defaults, then PROMPTSTORE_* variables, then `overrides`."""
         values: dict[str, Any] = {}
         for name in cls.model_fields:

@@ -19,7 +19,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 from rich.console import Console
@@ -80,16 +79,22 @@ def workload(conversations: int = 6, turns: int = 3) -> list[list[Request]]:
     chats = [[{"role": "system", "content": systems[c % len(systems)]}] for c in range(conversations)]
     rounds = []
     for t in range(turns):
-        rounds.append([Request(f"chat{c}.turn{t}", chats[c] + [{"role": "user", "content": USER_TURNS[(c + t) % 4]}])
-                       for c in range(conversations)])
+        rounds.append(
+            [
+                Request(f"chat{c}.turn{t}", chats[c] + [{"role": "user", "content": USER_TURNS[(c + t) % 4]}])
+                for c in range(conversations)
+            ]
+        )
     agent = [{"role": "system", "content": systems[0]}, {"role": "user", "content": "Plan a visit to the bookshop."}]
     rounds.append([Request("agent.base", agent)])
-    rounds.append([Request(f"agent.branch{b}", agent + [{"role": "user", "content": r}]) for b, r in enumerate(TOOL_RESULTS)])
+    rounds.append(
+        [Request(f"agent.branch{b}", agent + [{"role": "user", "content": r}]) for b, r in enumerate(TOOL_RESULTS)]
+    )
     rounds.append([Request("agent.return", agent + [{"role": "user", "content": "Back to the plan: what first?"}])])
     return rounds
 
 
-def load(model_path: Optional[str]):
+def load(model_path: str | None):
     """(model, tokenizer, model_id)."""
     if model_path:
         from mlx_lm import load as mlx_load
@@ -100,12 +105,20 @@ def load(model_path: Optional[str]):
     from .testing.tokenizer import demo_tokenizer
 
     tokenizer = demo_tokenizer(1024)
-    model = tiny_model("llama", num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
-                       num_key_value_heads=4, head_dim=32, intermediate_size=512, vocab_size=1024)
+    model = tiny_model(
+        "llama",
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=512,
+        vocab_size=1024,
+    )
     return model, tokenizer, "demo-random-llama-v1"
 
 
-def serve(model, tokenizer, space, rounds, progress: Optional[Progress] = None, label: str = "") -> list[Outcome]:
+def serve(model, tokenizer, space, rounds, progress: Progress | None = None, label: str = "") -> list[Outcome]:
     """Run every request (with the store when `space` is given), growing each chat's history."""
     from mlx_lm.generate import stream_generate as mlx_stream
 
@@ -121,7 +134,9 @@ def serve(model, tokenizer, space, rounds, progress: Optional[Progress] = None, 
             tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             start = time.perf_counter()
             if space is None:
-                stream = mlx_stream(model, tokenizer, tokens, max_tokens=REPLY_TOKENS, prompt_cache=make_prompt_cache(model))
+                stream = mlx_stream(
+                    model, tokenizer, tokens, max_tokens=REPLY_TOKENS, prompt_cache=make_prompt_cache(model)
+                )
             else:
                 stream = stream_generate(model, tokenizer, tokens, store=space, max_tokens=REPLY_TOKENS)
             reply, text, ttft = [], "", None
@@ -151,7 +166,7 @@ def _with_history(req: Request, replies: dict[str, str]) -> list[dict]:
     return messages
 
 
-def run_phase(phase: str, store_dir: Optional[str], model_path: Optional[str], progress=None) -> list[Outcome]:
+def run_phase(phase: str, store_dir: str | None, model_path: str | None, progress=None) -> list[Outcome]:
     from .store import PromptStore
 
     model, tokenizer, model_id = load(model_path)
@@ -164,23 +179,32 @@ def run_phase(phase: str, store_dir: Optional[str], model_path: Optional[str], p
         return serve(model, tokenizer, space, rounds, progress, f"{phase} store")
 
 
-def summary(name: str, outcomes: list[Outcome], base: Optional[float]) -> dict:
+def summary(name: str, outcomes: list[Outcome], base: float | None) -> dict:
     ttfts = sorted(o.ttft for o in outcomes)
     prompt = sum(o.prompt_tokens for o in outcomes)
     hot = sum(o.restored_hot for o in outcomes)
     cold = sum(o.restored_cold for o in outcomes)
     mean = statistics.mean(ttfts)
     return {
-        "run": name, "requests": len(outcomes), "prompt_tokens": prompt, "restored_hot": hot,
-        "restored_cold": cold, "prefilled": prompt - hot - cold, "ttft_mean_s": mean,
+        "run": name,
+        "requests": len(outcomes),
+        "prompt_tokens": prompt,
+        "restored_hot": hot,
+        "restored_cold": cold,
+        "prefilled": prompt - hot - cold,
+        "ttft_mean_s": mean,
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p95_s": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
         "speedup": (base / mean) if base else 1.0,
     }
 
 
-def run(model_path: Optional[str] = None, store_dir: Optional[str] = None, json_out: Optional[str] = None,
-        console: Optional[Console] = None) -> bool:
+def run(
+    model_path: str | None = None,
+    store_dir: str | None = None,
+    json_out: str | None = None,
+    console: Console | None = None,
+) -> bool:
     """The three runs and their table; True when every reply matched."""
     console = console or Console(width=120)
     with tempfile.TemporaryDirectory() as tmp:
@@ -203,7 +227,7 @@ def run(model_path: Optional[str] = None, store_dir: Optional[str] = None, json_
     return all(same)
 
 
-def _in_new_process(store: str, model_path: Optional[str]) -> list[Outcome]:
+def _in_new_process(store: str, model_path: str | None) -> list[Outcome]:
     cmd = [sys.executable, "-m", "promptstore.cli", "demo-phase", "--store", store]
     if model_path:
         cmd += ["--model", model_path]
@@ -211,7 +235,7 @@ def _in_new_process(store: str, model_path: Optional[str]) -> list[Outcome]:
     return [Outcome(**o) for o in json.loads(out.strip().splitlines()[-1])]
 
 
-def phase_main(store: str, model_path: Optional[str]) -> int:
+def phase_main(store: str, model_path: str | None) -> int:
     """The restart phase, run in its own process: outcomes as one JSON line."""
     outcomes = run_phase("persisted", store, model_path)
     print(json.dumps([asdict(o) for o in outcomes]))
@@ -220,12 +244,30 @@ def phase_main(store: str, model_path: Optional[str]) -> int:
 
 def _print(console: Console, rows: list[dict], same: list[bool]) -> None:
     table = Table(title="promptstore demo: chats over shared system prompts, and an agent that forks")
-    for col in ("run", "requests", "prompt tokens", "restored hot", "restored cold", "prefilled",
-                "TTFT mean", "TTFT p95", "speed-up", "replies equal"):
+    for col in (
+        "run",
+        "requests",
+        "prompt tokens",
+        "restored hot",
+        "restored cold",
+        "prefilled",
+        "TTFT mean",
+        "TTFT p95",
+        "speed-up",
+        "replies equal",
+    ):
         table.add_column(col, justify="right", no_wrap=True)
     for row, eq in zip(rows, [None] + same):
-        table.add_row(row["run"], str(row["requests"]), str(row["prompt_tokens"]), str(row["restored_hot"]),
-                      str(row["restored_cold"]), str(row["prefilled"]), f"{row['ttft_mean_s'] * 1e3:.0f} ms",
-                      f"{row['ttft_p95_s'] * 1e3:.0f} ms", f"{row['speedup']:.1f}x",
-                      "-" if eq is None else ("[green]yes[/]" if eq else "[red]NO[/]"))
+        table.add_row(
+            row["run"],
+            str(row["requests"]),
+            str(row["prompt_tokens"]),
+            str(row["restored_hot"]),
+            str(row["restored_cold"]),
+            str(row["prefilled"]),
+            f"{row['ttft_mean_s'] * 1e3:.0f} ms",
+            f"{row['ttft_p95_s'] * 1e3:.0f} ms",
+            f"{row['speedup']:.1f}x",
+            "-" if eq is None else ("[green]yes[/]" if eq else "[red]NO[/]"),
+        )
     console.print(table)

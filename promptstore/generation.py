@@ -8,8 +8,9 @@ whole conversation (prompt and reply) so the next turn hits all of it.
 from __future__ import annotations
 
 import time
+from collections.abc import Generator, Sequence
 from dataclasses import replace
-from typing import Any, Generator, Sequence, Union
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +20,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .caches import prompt_position
 from .store import Space
 
-Prompt = Union[str, Sequence[int], mx.array]
+Prompt = str | Sequence[int] | mx.array
 
 
 def encode(tokenizer, prompt: Prompt) -> list[int]:
@@ -38,8 +39,9 @@ def prefill(model: nn.Module, cache: list, tokens: list[int], start: int, end: i
         mx.eval([c.state for c in cache])
 
 
-def stream_generate(model: nn.Module, tokenizer, prompt: Prompt, *, store: Space,
-                    checkpoints: Sequence[int] = (), **kwargs: Any) -> Generator:
+def stream_generate(
+    model: nn.Module, tokenizer, prompt: Prompt, *, store: Space, checkpoints: Sequence[int] = (), **kwargs: Any
+) -> Generator:
     """mlx_lm.stream_generate with a prompt-cache store: same arguments and
     responses (prompt_tokens counts the whole prompt), plus `store` and
     `checkpoints` (token positions later prompts will share, such as the end of

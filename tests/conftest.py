@@ -11,7 +11,7 @@ from promptstore import caches as C
 from promptstore.testing import models
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(family: str, variant: str = ""):
     overrides = VARIANTS[variant]
     return models.tiny_model(family, **overrides)

@@ -112,12 +112,14 @@ def crash(args, work: Path) -> dict:
         stats["seconds"] = round(now() - started, 1)
         problems = [r for r in checker.reports if r[0] != "report" or r[1][0] != "missing"]
         out[durability] = {**dict(stats), "problems": [repr(p)[:300] for p in problems[:10]]}
-        print(f"  crash[{durability}]: trials={stats['trials']} inserts={stats['inserts']} "
-              f"fetches={stats['fetches']} hits={stats['hits']} corrupt_hits={stats.get('corrupt_hits', 0)} "
-              f"failed_opens={stats.get('failed_opens', 0)} fetch_errors={stats.get('fetch_errors', 0)} "
-              f"quarantined={stats['quarantined']} compact={stats['compact_status']} "
-              f"after_compact_corrupt_hits={stats['after_compact_corrupt_hits']} ({stats['seconds']} s)",
-              flush=True)
+        print(
+            f"  crash[{durability}]: trials={stats['trials']} inserts={stats['inserts']} "
+            f"fetches={stats['fetches']} hits={stats['hits']} corrupt_hits={stats.get('corrupt_hits', 0)} "
+            f"failed_opens={stats.get('failed_opens', 0)} fetch_errors={stats.get('fetch_errors', 0)} "
+            f"quarantined={stats['quarantined']} compact={stats['compact_status']} "
+            f"after_compact_corrupt_hits={stats['after_compact_corrupt_hits']} ({stats['seconds']} s)",
+            flush=True,
+        )
     totals = Counter()
     for d in out.values():
         for k in ("trials", "corrupt_hits", "failed_opens", "fetch_errors", "after_compact_corrupt_hits"):
@@ -149,7 +151,7 @@ class FuzzStore:
             for tokens in seqs:
                 for n in sorted({rng.randint(8, tokens.size - 1), tokens.size}):
                     hit = space.fetch(tokens[:n])
-                    self.forward(hit.cache, tokens[hit.length:n])
+                    self.forward(hit.cache, tokens[hit.length : n])
                     space.insert(tokens[:n], hit.cache)
         self.probes = []
         for tokens in seqs:
@@ -193,7 +195,7 @@ class FuzzStore:
                     continue
                 res["lengths"].append(hit.length)
                 if hit.length:
-                    got = self.forward(hit.cache, probe[hit.length:])
+                    got = self.forward(hit.cache, probe[hit.length :])
                     if not self.mx.abs(got - want).max().item() < TOL:
                         res["wrong"] += 1
             for r in store.tiers.reports:
@@ -250,7 +252,9 @@ def damage_lmdb(case_root: Path, rng) -> str:
 
     env = lmdb.open(str(case_root / "index"), max_dbs=16, subdir=True)
     try:
-        name = rng.choice([b"nodes"] * 4 + [b"edges"] * 2 + [b"children"] * 2 + [b"namespaces", b"counters", b"access", b"meta"])
+        name = rng.choice(
+            [b"nodes"] * 4 + [b"edges"] * 2 + [b"children"] * 2 + [b"namespaces", b"counters", b"access", b"meta"]
+        )
         kind = rng.choice(["bit flips", "truncate", "swap", "delete", "garbage"])
         with env.begin(write=True) as txn:
             db = env.open_db(name, txn=txn)
@@ -347,11 +351,14 @@ def fuzz(args, work: Path) -> dict:
         "probes": len(fz.probes),
         "seconds": round(now() - started, 1),
     }
-    print(f"  fuzz: cases={result['cases']} detected={result['detected']} harmless={result['harmless']} "
-          f"exceptions_escaped={result['exceptions_escaped']} wrong_state_served={result['wrong_state_served']} "
-          f"(refused at open: {result['refused_at_open']}, compact failed: {result['compact_failed']}, "
-          f"compact refused: {result['compact_refused']}; "
-          f"{result['seconds']} s)", flush=True)
+    print(
+        f"  fuzz: cases={result['cases']} detected={result['detected']} harmless={result['harmless']} "
+        f"exceptions_escaped={result['exceptions_escaped']} wrong_state_served={result['wrong_state_served']} "
+        f"(refused at open: {result['refused_at_open']}, compact failed: {result['compact_failed']}, "
+        f"compact refused: {result['compact_refused']}; "
+        f"{result['seconds']} s)",
+        flush=True,
+    )
     for k, v in result["escapes"].items():
         print(f"    escaped ({v} times): {k}")
     for k, v in result["compact_errors"].items():
@@ -385,16 +392,24 @@ def concurrency(args, work: Path) -> dict:
         run = run_workers(root, ops=args.ops, procs=args.procs, seed=args.seed + budget.done, timeout=3600)
         final = check_store(root)
         errors = Counter(error_kind(e) for w in run["workers"] for e in w["errors"])
-        rounds.append({**run["totals"], "final": final, "error_kinds": dict(errors),
-                       "unverified_examples": [u for w in run["workers"] for u in w["unverified"]][:5],
-                       "seconds": run["seconds"]})
+        rounds.append(
+            {
+                **run["totals"],
+                "final": final,
+                "error_kinds": dict(errors),
+                "unverified_examples": [u for w in run["workers"] for u in w["unverified"]][:5],
+                "seconds": run["seconds"],
+            }
+        )
         t = run["totals"]
-        print(f"  concurrency round {budget.done}: {args.procs}x{args.ops} ops={t.get('ops', 0)} "
-              f"fetches={t.get('fetches', 0)} hits={t.get('hits', 0)} inserts={t.get('inserts', 0)} "
-              f"compacts={t.get('compacts', 0)} reopens={t.get('reopens', 0)} errors={t['errors']} "
-              f"unverified={t['unverified']} | after: unverified={final['unverified']} "
-              f"quarantined={final['quarantined']} compact_failed={final['compact_failed']} ({run['seconds']} s)",
-              flush=True)
+        print(
+            f"  concurrency round {budget.done}: {args.procs}x{args.ops} ops={t.get('ops', 0)} "
+            f"fetches={t.get('fetches', 0)} hits={t.get('hits', 0)} inserts={t.get('inserts', 0)} "
+            f"compacts={t.get('compacts', 0)} reopens={t.get('reopens', 0)} errors={t['errors']} "
+            f"unverified={t['unverified']} | after: unverified={final['unverified']} "
+            f"quarantined={final['quarantined']} compact_failed={final['compact_failed']} ({run['seconds']} s)",
+            flush=True,
+        )
         for k, v in errors.items():
             print(f"    error x{v}: {k}")
     totals = Counter()
@@ -403,16 +418,24 @@ def concurrency(args, work: Path) -> dict:
             totals[k] += r.get(k, 0)
         totals["final_unverified"] += r["final"]["unverified"]
         totals["quarantined"] += r["final"]["quarantined"]
-    return {"procs": args.procs, "ops_per_proc": args.ops, "rounds": rounds, "totals": dict(totals),
-            "seconds": round(now() - started, 1)}
+    return {
+        "procs": args.procs,
+        "ops_per_proc": args.ops,
+        "rounds": rounds,
+        "totals": dict(totals),
+        "seconds": round(now() - started, 1),
+    }
 
 
 # --- main ----------------------------------------------------------------------------------------
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
     p.add_argument("--quick", action="store_true", help="a short run (about a minute)")
     p.add_argument("--only", default="crash,fuzz,concurrency", help="comma-separated sections")
     p.add_argument("--minutes", type=float, help="run each section about this long (counts are then ignored)")
@@ -442,8 +465,14 @@ def parse(argv=None):
 def environment() -> dict:
     import importlib.metadata as md
 
-    return {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-            "mlx": md.version("mlx"), "mlx_lm": md.version("mlx-lm"), "lmdb": md.version("lmdb")}
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "mlx": md.version("mlx"),
+        "mlx_lm": md.version("mlx-lm"),
+        "lmdb": md.version("lmdb"),
+    }
 
 
 def main(argv=None) -> int:

@@ -8,13 +8,13 @@ whole or not at all, for one layer, a cache list, or a whole model.
 from __future__ import annotations
 
 import operator
-from typing import Any, ClassVar, Optional, Sequence, Union
-
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 from ..errors import SnapshotKindError, SnapshotRangeError
 from .snapshot import Snapshot
 
-SnapshotChain = Union[Snapshot, Sequence[Snapshot]]
+SnapshotChain = Snapshot | Sequence[Snapshot]
 
 # New buffers get room for this many tokens past the restored ones, so the
 # first decode step writes in place instead of copying the whole buffer.
@@ -48,7 +48,7 @@ class SnapshotProtocol:
     kind: ClassVar[str]
     whole_state: ClassVar[bool] = False
     can_split: ClassVar[bool] = True
-    token_axis: ClassVar[Optional[int]] = None  # the axis of state arrays that grows with tokens
+    token_axis: ClassVar[int | None] = None  # the axis of state arrays that grows with tokens
 
     # --- what each kind provides ------------------------------------------
 
@@ -81,13 +81,13 @@ class SnapshotProtocol:
             out.append((name, str(a.dtype), tuple(shape)))
         return tuple(out)
 
-    def plan_restore(self, snapshot: Optional[SnapshotChain], target: int):
+    def plan_restore(self, snapshot: SnapshotChain | None, target: int):
         """New attribute values that bring the cache to `target`, or None if
         `target` is unreachable. Raises on bad input; changes nothing."""
         raise NotImplementedError
 
     @classmethod
-    def merge_snapshots(cls, parent: Optional[Snapshot], child: Optional[Snapshot]):
+    def merge_snapshots(cls, parent: Snapshot | None, child: Snapshot | None):
         """`[a, b)` + `[b, c)` -> `[a, c)`; whole-state kinds: the child supersedes."""
         raise NotImplementedError
 
@@ -119,7 +119,7 @@ class SnapshotProtocol:
 
     # --- shared behaviour --------------------------------------------------
 
-    def restore(self, snapshot: Optional[SnapshotChain], target: int) -> bool:
+    def restore(self, snapshot: SnapshotChain | None, target: int) -> bool:
         """Bring the cache to `target` from `snapshot` (a snapshot or a chain of
         consecutive snapshots), or rewind in place when it is None. Returns
         False, leaving the cache unchanged, when `target` is unreachable."""
@@ -129,11 +129,11 @@ class SnapshotProtocol:
         self.apply_restore(plan)
         return True
 
-    def plan_rewind(self, target: int) -> Optional[dict]:
+    def plan_rewind(self, target: int) -> dict | None:
         """Attributes for rewinding in place to `target` <= position, or None."""
         raise NotImplementedError
 
-    def checked_rewind(self, target: int) -> Optional[dict]:
+    def checked_rewind(self, target: int) -> dict | None:
         """plan_rewind, refusing a target past the cache's position."""
         if target > self.position:
             raise SnapshotRangeError(f"cannot rewind to {target}: the cache is at {self.position}")
@@ -152,15 +152,11 @@ class SnapshotProtocol:
 
     def check_layout(self, snapshot: Snapshot) -> None:
         if snapshot.kind != self.kind:
-            raise SnapshotKindError(
-                f"a {snapshot.kind!r} snapshot cannot restore a {self.kind!r} cache"
-            )
+            raise SnapshotKindError(f"a {snapshot.kind!r} snapshot cannot restore a {self.kind!r} cache")
         mine = self.layout()
         theirs = {k: snapshot.scalars.get(k) for k in mine}
         if theirs != mine:
-            raise SnapshotKindError(
-                f"snapshot layout {theirs} does not match the cache's {mine}"
-            )
+            raise SnapshotKindError(f"snapshot layout {theirs} does not match the cache's {mine}")
 
 
 def as_chain(snapshot: SnapshotChain, kind: str) -> list[Snapshot]:
@@ -172,33 +168,22 @@ def as_chain(snapshot: SnapshotChain, kind: str) -> list[Snapshot]:
         if not isinstance(s, Snapshot):
             raise SnapshotKindError(f"expected a Snapshot, got {type(s).__name__}")
         if s.kind != kind:
-            raise SnapshotKindError(
-                f"a {s.kind!r} snapshot cannot restore a {kind!r} cache"
-            )
+            raise SnapshotKindError(f"a {s.kind!r} snapshot cannot restore a {kind!r} cache")
     for a, b in zip(chain, chain[1:]):
         if a.end != b.start:
-            raise SnapshotRangeError(
-                f"snapshots are not consecutive: [{a.start}, {a.end}) then "
-                f"[{b.start}, {b.end})"
-            )
+            raise SnapshotRangeError(f"snapshots are not consecutive: [{a.start}, {a.end}) then [{b.start}, {b.end})")
     return chain
 
 
 def check_consecutive(parent: Snapshot, child: Snapshot) -> None:
     if parent.kind != child.kind:
-        raise SnapshotKindError(
-            f"cannot merge a {parent.kind!r} snapshot with a {child.kind!r} one"
-        )
+        raise SnapshotKindError(f"cannot merge a {parent.kind!r} snapshot with a {child.kind!r} one")
     if parent.end != child.start:
         raise SnapshotRangeError(
-            f"cannot merge [{parent.start}, {parent.end}) with "
-            f"[{child.start}, {child.end}): not consecutive"
+            f"cannot merge [{parent.start}, {parent.end}) with [{child.start}, {child.end}): not consecutive"
         )
     if _layout_of(parent) != _layout_of(child) and not parent.whole:
-        raise SnapshotKindError(
-            f"cannot merge snapshots of different layouts: {parent.scalars} "
-            f"and {child.scalars}"
-        )
+        raise SnapshotKindError(f"cannot merge snapshots of different layouts: {parent.scalars} and {child.scalars}")
 
 
 def _layout_of(snapshot: Snapshot) -> dict:

@@ -6,7 +6,7 @@ own offset and left padding travel with the snapshot as cursor arrays.
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
@@ -94,7 +94,7 @@ class BatchRotatingKVCache(WholeStateKind, mlx_cache.BatchRotatingKVCache):
     def position(self) -> int:
         return self._offset
 
-    token_axis: ClassVar[Optional[int]] = 2
+    token_axis: ClassVar[int | None] = 2
 
     def layout(self) -> dict:
         return {"max_size": int(self.max_size)}
@@ -164,9 +164,7 @@ class BatchRotatingKVCache(WholeStateKind, mlx_cache.BatchRotatingKVCache):
         _check_cursors(snapshot, batch)
         length = _window_length(snapshot)
         if window and not (length == snapshot.end or max_size <= length < snapshot.end):
-            raise CacheShapeError(
-                f"a window of {length} positions cannot be the state at {snapshot.end}"
-            )
+            raise CacheShapeError(f"a window of {length} positions cannot be the state at {snapshot.end}")
 
     @classmethod
     def merge(cls, caches):

@@ -10,7 +10,7 @@ snapshot is.
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 from mlx_lm.models import cache as mlx_cache
 
@@ -19,7 +19,7 @@ from .base import SnapshotChain, SnapshotProtocol, as_chain, as_position, check_
 from .snapshot import Snapshot
 
 
-def _child_chain(chain: list[Snapshot], i: int, whole: bool) -> Optional[list[Snapshot]]:
+def _child_chain(chain: list[Snapshot], i: int, whole: bool) -> list[Snapshot] | None:
     """Child i's chain: every range piece, or a whole-state child's last state (None if absent)."""
     if whole:
         last = chain[-1].children[i]
@@ -27,7 +27,7 @@ def _child_chain(chain: list[Snapshot], i: int, whole: bool) -> Optional[list[Sn
     return [s.children[i] for s in chain]
 
 
-def _respan(child: Optional[Snapshot], start: int) -> Optional[Snapshot]:
+def _respan(child: Snapshot | None, start: int) -> Snapshot | None:
     """A whole-state child's state, as the child of a list spanning from `start`."""
     if child is None:
         return None
@@ -76,7 +76,7 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
         children = tuple(c.snapshot(lo) for c in self.caches)
         return Snapshot(self.kind, lo, pos, self.whole, {}, self.layout(), children)
 
-    def plan_restore(self, snapshot: Optional[SnapshotChain], target: int):
+    def plan_restore(self, snapshot: SnapshotChain | None, target: int):
         target = as_position(target, "target")
         if snapshot is None:
             chains = [None] * len(self.caches)
@@ -107,7 +107,7 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
         return all(c is not None and kind_class(c.kind).reachable(c, target) for c in snapshot.children)
 
     @classmethod
-    def merge_snapshots(cls, parent: Optional[Snapshot], child: Optional[Snapshot]):
+    def merge_snapshots(cls, parent: Snapshot | None, child: Snapshot | None):
         from .registry import kind_class
 
         if parent is None or child is None:
@@ -134,7 +134,8 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
             cls.validate_snapshot(s)
         last = chain[-1]
         children = tuple(
-            _respan(last.children[i], chain[0].start) if kind_class(kind).whole_state
+            _respan(last.children[i], chain[0].start)
+            if kind_class(kind).whole_state
             else kind_class(kind).merge_chain([s.children[i] for s in chain])
             for i, kind in enumerate(chain[0].scalars["kinds"])
         )
@@ -151,7 +152,9 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
         if at <= snapshot.start:
             return None, snapshot
         halves = [(None, None) if c is None else kind_class(c.kind).split_snapshot(c, at) for c in snapshot.children]
-        if any(c is not None and (upper is None or lower is None) for c, (upper, lower) in zip(snapshot.children, halves)):
+        if any(
+            c is not None and (upper is None or lower is None) for c, (upper, lower) in zip(snapshot.children, halves)
+        ):
             return None, snapshot  # a child cannot split here, so neither can the list
         uppers, lowers = zip(*halves)
         scalars = dict(snapshot.scalars)
@@ -177,8 +180,7 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
                 raise SnapshotFormatError(f"a cache-list snapshot lacks its {kind!r} range child")
             if child.kind != kind or (child.start, child.end) != (snapshot.start, snapshot.end):
                 raise SnapshotFormatError(
-                    f"child {child!r} does not match kind {kind!r} over "
-                    f"[{snapshot.start}, {snapshot.end})"
+                    f"child {child!r} does not match kind {kind!r} over [{snapshot.start}, {snapshot.end})"
                 )
             kind_class(kind).validate_snapshot(child)
 

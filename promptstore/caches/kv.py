@@ -54,9 +54,7 @@ class QuantizedKVCache(RangeKind, mlx_cache.QuantizedKVCache):
     """mlx-lm's quantized KV cache: (packed, scales, biases) per keys and values."""
 
     kind: ClassVar[str] = "quantized"
-    expected_names: ClassVar[tuple[str, ...]] = tuple(
-        f"{w}.{i}" for w in ("keys", "values") for i in range(3)
-    )
+    expected_names: ClassVar[tuple[str, ...]] = tuple(f"{w}.{i}" for w in ("keys", "values") for i in range(3))
 
     def layout(self) -> dict:
         return {"group_size": int(self.group_size), "bits": int(self.bits)}

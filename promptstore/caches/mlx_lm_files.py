@@ -11,7 +11,7 @@ Our caches carry mlx-lm's class names and state layouts, so mlx-lm's own
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_unflatten
@@ -34,7 +34,7 @@ def _scalar(array: mx.array, kind: str) -> Any:
     raise SnapshotFormatError(f"unknown scalar type {kind!r} in a prompt-cache file")
 
 
-def load_mlx_lm_prompt_cache(path: str | os.PathLike, return_metadata: bool = False, offset: Optional[int] = None):
+def load_mlx_lm_prompt_cache(path: str | os.PathLike, return_metadata: bool = False, offset: int | None = None):
     """Read a file written by mlx-lm's `save_prompt_cache` into promptstore caches.
 
     offset: the position, for files holding only recurrent layers (their

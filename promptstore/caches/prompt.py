@@ -6,7 +6,8 @@ layer cannot reach leaves every layer as it was.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
@@ -22,9 +23,9 @@ from .snapshot import Snapshot
 
 def make_prompt_cache(
     model: nn.Module,
-    max_kv_size: Optional[int] = None,
+    max_kv_size: int | None = None,
     *,
-    kv_bits: Optional[int] = None,
+    kv_bits: int | None = None,
     kv_group_size: int = 64,
 ) -> list:
     """The model's per-layer caches, as promptstore caches.
@@ -34,14 +35,11 @@ def make_prompt_cache(
     """
     caches = adopt_prompt_cache(mlx_cache.make_prompt_cache(model, max_kv_size))
     if kv_bits is not None:
-        caches = [
-            QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c
-            for c in caches
-        ]
+        caches = [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c for c in caches]
     return caches
 
 
-def adopt_prompt_cache(caches: Sequence[Any], offset: Optional[int] = None) -> list:
+def adopt_prompt_cache(caches: Sequence[Any], offset: int | None = None) -> list:
     """Adopt each of mlx-lm's plain caches in place (no buffer is copied).
 
     offset: the position the caches are at, for recurrent layers of models
@@ -60,7 +58,7 @@ def _leaves(caches):
             yield c
 
 
-def prompt_position(caches: Sequence[Any], offset: Optional[int] = None) -> int:
+def prompt_position(caches: Sequence[Any], offset: int | None = None) -> int:
     """The position every layer is at, syncing recurrent layers that lag.
 
     Recurrent layers learn their position from `advance`, which some models
@@ -81,9 +79,7 @@ def prompt_position(caches: Sequence[Any], offset: Optional[int] = None) -> int:
 
 def _check_layers(caches: Sequence[Any], snapshots: Sequence[Any]) -> None:
     if len(caches) != len(snapshots):
-        raise CacheShapeError(
-            f"{len(snapshots)} layer snapshots for a model of {len(caches)} layers"
-        )
+        raise CacheShapeError(f"{len(snapshots)} layer snapshots for a model of {len(caches)} layers")
 
 
 def snapshot_prompt_cache(caches: Sequence[Any], from_offset: int = 0) -> list[Snapshot]:
@@ -92,9 +88,7 @@ def snapshot_prompt_cache(caches: Sequence[Any], from_offset: int = 0) -> list[S
     return [c.snapshot(from_offset) for c in caches]
 
 
-def restore_prompt_cache(
-    caches: Sequence[Any], snapshots: Optional[Sequence[Any]], target: int
-) -> bool:
+def restore_prompt_cache(caches: Sequence[Any], snapshots: Sequence[Any] | None, target: int) -> bool:
     """Bring every layer to `target`, or change nothing and return False.
 
     snapshots: per layer, a snapshot or a chain of consecutive snapshots (or

@@ -10,7 +10,7 @@ snapshots then record `data_start`, the first position they hold data for.
 from __future__ import annotations
 
 import functools
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import mlx.core as mx
 
@@ -51,11 +51,11 @@ class RangeKind(SnapshotProtocol):
     whole_state: ClassVar[bool] = False
     can_split: ClassVar[bool] = True
     trims_front: ClassVar[bool] = False  # data may start after the span's start
-    token_axis: ClassVar[Optional[int]] = AXIS
+    token_axis: ClassVar[int | None] = AXIS
 
     # --- hooks ---------------------------------------------------------------
 
-    def live_buffers(self) -> Optional[dict[str, mx.array]]:
+    def live_buffers(self) -> dict[str, mx.array] | None:
         """Token arrays by name, full capacity; None while the cache is empty."""
         raise NotImplementedError
 
@@ -63,7 +63,7 @@ class RangeKind(SnapshotProtocol):
         """First position the live buffers hold (index 0 of axis 2)."""
         return 0
 
-    def plan_install(self, buffers: dict[str, mx.array], lo: int, target: int, last: Optional[Snapshot]) -> dict:
+    def plan_install(self, buffers: dict[str, mx.array], lo: int, target: int, last: Snapshot | None) -> dict:
         """Attributes for buffers holding positions [lo, target) plus headroom."""
         raise NotImplementedError
 
@@ -88,6 +88,7 @@ class RangeKind(SnapshotProtocol):
 
     def state_arrays(self) -> dict:
         return self.live_buffers() or {}
+
     expected_names: ClassVar[tuple[str, ...]] = ("keys", "values")
 
     # --- protocol --------------------------------------------------------------
@@ -109,7 +110,7 @@ class RangeKind(SnapshotProtocol):
             scalars["data_start"] = ds if arrays else pos
         return Snapshot(self.kind, lo, pos, False, arrays, scalars)
 
-    def plan_restore(self, snapshot: Optional[SnapshotChain], target: int):
+    def plan_restore(self, snapshot: SnapshotChain | None, target: int):
         target = as_position(target, "target")
         if snapshot is None:
             return self.checked_rewind(target)
@@ -196,7 +197,7 @@ class RangeKind(SnapshotProtocol):
                     )
 
     @classmethod
-    def merge_snapshots(cls, parent: Optional[Snapshot], child: Optional[Snapshot]):
+    def merge_snapshots(cls, parent: Snapshot | None, child: Snapshot | None):
         if parent is None or child is None:
             return child if parent is None else parent
         cls.check_pair(parent, child)
@@ -205,10 +206,7 @@ class RangeKind(SnapshotProtocol):
         if parent.length == 0 or data_start(child) > child.start or not cls.token_names(parent):
             arrays, ds = dict(child.arrays), data_start(child)
         else:
-            arrays = {
-                n: mx.concatenate([parent.arrays[n], child.arrays[n]], axis=AXIS)
-                for n in cls.token_names(child)
-            }
+            arrays = {n: mx.concatenate([parent.arrays[n], child.arrays[n]], axis=AXIS) for n in cls.token_names(child)}
             arrays.update({n: child.arrays[n] for n in cls.cursor_names if n in child.arrays})
             ds = data_start(parent)
         scalars = dict(child.scalars)
@@ -276,9 +274,7 @@ class RangeKind(SnapshotProtocol):
             raise SnapshotRangeError(f"data_start {ds} outside [{snapshot.start}, {snapshot.end})")
         if not names:
             if snapshot.end > ds:
-                raise SnapshotFormatError(
-                    f"a {cls.kind!r} snapshot over [{ds}, {snapshot.end}) holds no arrays"
-                )
+                raise SnapshotFormatError(f"a {cls.kind!r} snapshot over [{ds}, {snapshot.end}) holds no arrays")
             return
         if sorted(names) != sorted(cls.expected_names):
             raise SnapshotFormatError(
@@ -294,9 +290,7 @@ class RangeKind(SnapshotProtocol):
                     f"{n!r} has batch and heads {tuple(a.shape[:2])}, {names[0]!r} has {tuple(ref.shape[:2])}"
                 )
             if a.shape[AXIS] != snapshot.end - ds:
-                raise CacheShapeError(
-                    f"{n!r} holds {a.shape[AXIS]} positions, the span needs {snapshot.end - ds}"
-                )
+                raise CacheShapeError(f"{n!r} holds {a.shape[AXIS]} positions, the span needs {snapshot.end - ds}")
         cls.validate_extra(snapshot)
 
     @classmethod

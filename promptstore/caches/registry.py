@@ -53,9 +53,7 @@ def kind_class(name: str) -> type:
     try:
         return KINDS[name]
     except (KeyError, TypeError):
-        raise UnknownKindError(
-            f"unknown cache kind {name!r}; known kinds: {sorted(KINDS)}"
-        ) from None
+        raise UnknownKindError(f"unknown cache kind {name!r}; known kinds: {sorted(KINDS)}") from None
 
 
 def adopt(cache: Any) -> Any:
@@ -82,7 +80,5 @@ def from_mlx_lm_state(name: str, state: Any) -> Any:
     """Build a cache from mlx-lm's (class name, state) pair, through the registry."""
     cls = MLX_LM_NAMES.get(name)
     if cls is None:
-        raise UnknownKindError(
-            f"unknown cache class {name!r} in a prompt-cache file; known: {sorted(MLX_LM_NAMES)}"
-        )
+        raise UnknownKindError(f"unknown cache class {name!r} in a prompt-cache file; known: {sorted(MLX_LM_NAMES)}")
     return cls.from_state(state)

@@ -7,7 +7,7 @@ dropped a token (then the window holds every position from 0).
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
@@ -39,8 +39,7 @@ def check_window(snapshot: Snapshot, max_size) -> None:
         raise CacheShapeError(f"keys/values must be rank 4, got {keys.ndim} and {values.ndim}")
     if keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype:
         raise CacheShapeError(
-            f"keys {tuple(keys.shape)} {keys.dtype} do not match values "
-            f"{tuple(values.shape)} {values.dtype}"
+            f"keys {tuple(keys.shape)} {keys.dtype} do not match values {tuple(values.shape)} {values.dtype}"
         )
 
 
@@ -52,8 +51,7 @@ def check_live(live_keys, snapshot: Snapshot) -> None:
     a, b = live_keys, keys
     if a.dtype != b.dtype or a.shape[:2] != b.shape[:2] or a.shape[3] != b.shape[3]:
         raise CacheShapeError(
-            f"a window of shape {tuple(b.shape)} {b.dtype} does not fit a cache of "
-            f"{tuple(a.shape)} {a.dtype}"
+            f"a window of shape {tuple(b.shape)} {b.dtype} does not fit a cache of {tuple(a.shape)} {a.dtype}"
         )
 
 
@@ -62,7 +60,7 @@ class RotatingKVCache(WholeStateKind, mlx_cache.RotatingKVCache):
 
     kind: ClassVar[str] = "rotating"
 
-    token_axis: ClassVar[Optional[int]] = 2
+    token_axis: ClassVar[int | None] = 2
 
     def layout(self) -> dict:
         return {"max_size": int(self.max_size), "keep": int(self.keep)}
@@ -136,8 +134,7 @@ class RotatingKVCache(WholeStateKind, mlx_cache.RotatingKVCache):
             length = snapshot.arrays["keys"].shape[2]
             if not (length == snapshot.end or max_size <= length < snapshot.end):
                 raise CacheShapeError(
-                    f"a window of {length} positions cannot be the state at {snapshot.end} "
-                    f"with max_size {max_size}"
+                    f"a window of {length} positions cannot be the state at {snapshot.end} with max_size {max_size}"
                 )
 
     @classmethod

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -26,14 +26,24 @@ METADATA_KEY = "promptstore.snapshots"
 DTYPES: dict[str, mx.Dtype] = {
     name: getattr(mx, name)
     for name in (
-        "bool_", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32",
-        "int64", "float16", "bfloat16", "float32",
+        "bool_",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "bfloat16",
+        "float32",
     )
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
-ScalarValue = Union[bool, int, float, str, None, list[str]]
+ScalarValue = bool | int | float | str | None | list[str]
 
 
 class ArraySpec(BaseModel):
@@ -53,7 +63,7 @@ class SnapshotMeta(BaseModel):
     whole: bool
     scalars: dict[str, ScalarValue] = {}
     arrays: list[ArraySpec] = []
-    children: list[Optional["SnapshotMeta"]] = []
+    children: list[SnapshotMeta | None] = []
 
 
 class SnapshotsRecord(BaseModel):
@@ -61,7 +71,7 @@ class SnapshotsRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     format_version: int
-    layers: list[Optional[SnapshotMeta]]  # None: the node holds nothing for that layer
+    layers: list[SnapshotMeta | None]  # None: the node holds nothing for that layer
 
 
 def _flatten(snap: Snapshot, prefix: str, out: dict) -> SnapshotMeta:
@@ -73,12 +83,17 @@ def _flatten(snap: Snapshot, prefix: str, out: dict) -> SnapshotMeta:
         specs.append(ArraySpec(name=name, dtype=_DTYPE_NAMES[a.dtype], shape=list(a.shape)))
     children = [None if c is None else _flatten(c, f"{prefix}/c{i}", out) for i, c in enumerate(snap.children)]
     return SnapshotMeta(
-        kind=snap.kind, start=snap.start, end=snap.end, whole=snap.whole,
-        scalars=dict(snap.scalars), arrays=specs, children=children,
+        kind=snap.kind,
+        start=snap.start,
+        end=snap.end,
+        whole=snap.whole,
+        scalars=dict(snap.scalars),
+        arrays=specs,
+        children=children,
     )
 
 
-def to_flat(snapshots: Sequence[Optional[Snapshot]]) -> tuple[dict[str, mx.array], dict[str, str]]:
+def to_flat(snapshots: Sequence[Snapshot | None]) -> tuple[dict[str, mx.array], dict[str, str]]:
     """Per-layer snapshots (None for a layer without one) -> (arrays by flat
     name, string metadata)."""
     arrays: dict[str, mx.array] = {}
@@ -87,7 +102,7 @@ def to_flat(snapshots: Sequence[Optional[Snapshot]]) -> tuple[dict[str, mx.array
     return arrays, {METADATA_KEY: record.model_dump_json()}
 
 
-def parse_record(metadata: Optional[dict]) -> SnapshotsRecord:
+def parse_record(metadata: dict | None) -> SnapshotsRecord:
     """The snapshots record of `to_flat` metadata, checked (no arrays needed)."""
     text = (metadata or {}).get(METADATA_KEY)
     if not isinstance(text, str):
@@ -98,9 +113,7 @@ def parse_record(metadata: Optional[dict]) -> SnapshotsRecord:
         raise SnapshotFormatError(f"metadata is not JSON: {e}") from None
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if version not in READABLE_VERSIONS or isinstance(version, bool):
-        raise SnapshotFormatError(
-            f"snapshot format version {version!r}; this code reads versions {READABLE_VERSIONS}"
-        )
+        raise SnapshotFormatError(f"snapshot format version {version!r}; this code reads versions {READABLE_VERSIONS}")
     try:
         return SnapshotsRecord.model_validate(raw)
     except (ValidationError, RecursionError) as e:
@@ -133,7 +146,7 @@ def _unflatten(meta: SnapshotMeta, prefix: str, arrays: dict, used: set) -> Snap
     return snap
 
 
-def from_flat(arrays: dict[str, mx.array], metadata) -> list[Optional[Snapshot]]:
+def from_flat(arrays: dict[str, mx.array], metadata) -> list[Snapshot | None]:
     """(arrays, metadata) written by `to_flat` -> per-layer snapshots, validated.
     `metadata` may also be its record, already parsed by `parse_record`."""
     record = metadata if isinstance(metadata, SnapshotsRecord) else parse_record(metadata)

@@ -9,11 +9,10 @@ view of a live cache buffer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 import mlx.core as mx
 
-Scalar = Union[int, float, bool, str, None]
+Scalar = int | float | bool | str | None
 
 
 @dataclass(eq=False)
@@ -35,7 +34,7 @@ class Snapshot:
     whole: bool
     arrays: dict[str, mx.array] = field(default_factory=dict)
     scalars: dict[str, Scalar] = field(default_factory=dict)
-    children: tuple[Optional["Snapshot"], ...] = ()
+    children: tuple[Snapshot | None, ...] = ()
 
     @property
     def length(self) -> int:
@@ -60,15 +59,14 @@ class Snapshot:
                 out.extend(c.all_arrays())
         return out
 
-    def eval(self) -> "Snapshot":
+    def eval(self) -> Snapshot:
         """Materialise every array now (snapshots are taken lazily)."""
         mx.eval(self.all_arrays())
         return self
 
     def __repr__(self) -> str:
         return (
-            f"Snapshot(kind={self.kind!r}, span=[{self.start}, {self.end}), "
-            f"whole={self.whole}, nbytes={self.nbytes})"
+            f"Snapshot(kind={self.kind!r}, span=[{self.start}, {self.end}), whole={self.whole}, nbytes={self.nbytes})"
         )
 
 

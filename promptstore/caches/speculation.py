@@ -8,7 +8,8 @@ rejected, restores it and replays the accepted ones.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -32,8 +33,8 @@ class Speculation:
     def commit(
         self,
         accepted: int,
-        tokens: Optional[Sequence[int]] = None,
-        replay: Optional[Callable[[mx.array], Any]] = None,
+        tokens: Sequence[int] | None = None,
+        replay: Callable[[mx.array], Any] | None = None,
     ) -> None:
         """Keep the first `accepted` draft tokens; the rest leave no trace.
 
@@ -45,9 +46,7 @@ class Speculation:
             raise CacheError("this speculation was already committed")
         position = prompt_position(self.caches)
         if not 0 <= accepted <= position - self.start:
-            raise CacheError(
-                f"accepted {accepted} of {position - self.start} speculated tokens"
-            )
+            raise CacheError(f"accepted {accepted} of {position - self.start} speculated tokens")
         target = self.start + accepted
         if target == position or restore_prompt_cache(self.caches, None, target):
             self.done = True

@@ -8,10 +8,10 @@ except for a window that has not yet dropped anything.
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar
 
-from .base import SnapshotChain, SnapshotProtocol, as_chain, as_position, check_consecutive
 from ..errors import SnapshotRangeError
+from .base import SnapshotChain, SnapshotProtocol, as_chain, as_position, check_consecutive
 from .snapshot import Snapshot
 
 
@@ -21,14 +21,14 @@ class WholeStateKind(SnapshotProtocol):
     whole_state: ClassVar[bool] = True
     can_split: ClassVar[bool] = False
 
-    def plan_whole(self, snapshot: Snapshot, target: int) -> Optional[dict]:
+    def plan_whole(self, snapshot: Snapshot, target: int) -> dict | None:
         """Attributes that install `snapshot`'s state cut to `target`, or None."""
         raise NotImplementedError
 
-    def plan_rewind(self, target: int) -> Optional[dict]:
+    def plan_rewind(self, target: int) -> dict | None:
         return {} if target == self.position else None
 
-    def plan_restore(self, snapshot: Optional[SnapshotChain], target: int):
+    def plan_restore(self, snapshot: SnapshotChain | None, target: int):
         target = as_position(target, "target")
         if snapshot is None:
             return self.checked_rewind(target)
@@ -45,7 +45,7 @@ class WholeStateKind(SnapshotProtocol):
         return None
 
     @classmethod
-    def merge_snapshots(cls, parent: Optional[Snapshot], child: Optional[Snapshot]):
+    def merge_snapshots(cls, parent: Snapshot | None, child: Snapshot | None):
         if parent is None or child is None:
             return child if parent is None else parent
         check_consecutive(parent, child)

@@ -34,9 +34,7 @@ def forget(txn: lmdb.Transaction, dbs: Dbs, key: bytes) -> None:
         txn.delete(_BY_STAMP + bytes(old), db=dbs.access)
 
 
-def oldest(
-    txn: lmdb.Transaction, dbs: Dbs, after: bytes | None, limit: int
-) -> list[tuple[bytes, bytes]]:
+def oldest(txn: lmdb.Transaction, dbs: Dbs, after: bytes | None, limit: int) -> list[tuple[bytes, bytes]]:
     """Up to `limit` (stamp, key) pairs, oldest first, strictly after stamp `after`."""
     cursor = txn.cursor(db=dbs.access)
     start = _BY_STAMP + (after if after is not None else b"")

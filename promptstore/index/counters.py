@@ -27,9 +27,7 @@ def check_names(deltas: dict[str, int]) -> None:
         raise ValueError(f"unknown counters {unknown}; known: {list(NAMES)}")
 
 
-def add(
-    txn: lmdb.Transaction, dbs: Dbs, namespace: bytes, deltas: dict[str, int]
-) -> None:
+def add(txn: lmdb.Transaction, dbs: Dbs, namespace: bytes, deltas: dict[str, int]) -> None:
     for name, delta in deltas.items():
         if not delta:
             continue

@@ -90,9 +90,7 @@ class _Gate:
             if not busy:
                 return
             if time.monotonic() > deadline:
-                raise IndexStoreError(
-                    "cannot resize the LMDB map: transactions stay open"
-                )
+                raise IndexStoreError("cannot resize the LMDB map: transactions stay open")
             time.sleep(0.0002)
 
     def _count(self) -> _Count:
@@ -116,9 +114,7 @@ class _Count:
 class Environment:
     """One open LMDB environment and its databases."""
 
-    def __init__(
-        self, path: str, env: lmdb.Environment, dbs: Dbs, readonly: bool
-    ) -> None:
+    def __init__(self, path: str, env: lmdb.Environment, dbs: Dbs, readonly: bool) -> None:
         self.path = path
         self.env = env
         self.dbs = dbs
@@ -195,9 +191,7 @@ class Environment:
                 self._resize(0)
             except lmdb.Error as e:
                 self._gate.leave()
-                raise IndexStoreError(
-                    f"cannot begin a transaction at {self.path}: {e}"
-                ) from e
+                raise IndexStoreError(f"cannot begin a transaction at {self.path}: {e}") from e
             except BaseException:
                 self._gate.leave()
                 raise
@@ -207,18 +201,14 @@ class Environment:
         try:
             self._gate.exclusive(lambda: self.env.set_mapsize(size))
         except lmdb.Error as e:
-            raise IndexStoreError(
-                f"cannot resize the LMDB map at {self.path}: {e}"
-            ) from e
+            raise IndexStoreError(f"cannot resize the LMDB map at {self.path}: {e}") from e
 
 
 _registry: dict[str, Environment] = {}
 _registry_lock = threading.Lock()
 
 
-def acquire(
-    path: str | os.PathLike, map_size: int, readonly: bool, sync: bool
-) -> Environment:
+def acquire(path: str | os.PathLike, map_size: int, readonly: bool, sync: bool) -> Environment:
     """The process's Environment for `path`, opened on first use; release() when done."""
     real = os.path.realpath(os.fspath(path))
     with _registry_lock:
@@ -229,9 +219,7 @@ def acquire(
             environment = _open(real, map_size, readonly, sync)
             _registry[real] = environment
         elif environment.readonly and not readonly:
-            raise IndexStoreError(
-                f"index at {real} is already open read-only in this process"
-            )
+            raise IndexStoreError(f"index at {real} is already open read-only in this process")
         environment.refs += 1
         return environment
 
@@ -304,9 +292,7 @@ def _open_writable_dbs(env: lmdb.Environment) -> Dbs:
             txn.put(SCHEMA_KEY, str(SCHEMA_VERSION).encode(), db=meta)
         else:
             _check_schema(found)
-        handles = {
-            name: env.open_db(name.encode(), txn=txn, create=True) for name in DB_NAMES
-        }
+        handles = {name: env.open_db(name.encode(), txn=txn, create=True) for name in DB_NAMES}
     return Dbs(**handles)
 
 
@@ -334,8 +320,6 @@ def _refuse_foreign(txn: lmdb.Transaction) -> None:
 def _check_schema(found: bytes | None) -> None:
     text = None if found is None else bytes(found).decode("ascii", "replace")
     if text != str(SCHEMA_VERSION):
-        error = SchemaVersionError(
-            f"index schema version {text!r}, this code reads version {SCHEMA_VERSION} only"
-        )
+        error = SchemaVersionError(f"index schema version {text!r}, this code reads version {SCHEMA_VERSION} only")
         error.found, error.expected = text, SCHEMA_VERSION
         raise error

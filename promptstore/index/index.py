@@ -85,16 +85,12 @@ class Index:
                 _same_spec(ns, bytes(stored))  # another process got there first
                 return False
             if txn.get(ns.key, db=self._dbs.nodes) is not None:
-                raise KeyCollisionError(
-                    f"namespace fingerprint {ns.hex} is a node's key"
-                )
+                raise KeyCollisionError(f"namespace fingerprint {ns.hex} is a node's key")
             return True
 
         def put(txn, needed: bool) -> None:
             if needed:
-                txn.put(
-                    ns.key, spec.model_dump_json().encode(), db=self._dbs.namespaces
-                )
+                txn.put(ns.key, spec.model_dump_json().encode(), db=self._dbs.namespaces)
 
         stored = self._stored_spec(ns.key)
         if stored is None:
@@ -118,9 +114,7 @@ class Index:
             stored = txn.get(key, db=self._dbs.namespaces)
             if stored is None:
                 raise UnknownNamespaceError(f"no namespace {key.hex()} in {self.path}")
-            ns = self._namespaces[key] = Namespace(
-                _decode_spec(key, bytes(stored)), key
-            )
+            ns = self._namespaces[key] = Namespace(_decode_spec(key, bytes(stored)), key)
         return ns
 
     def namespaces(self) -> list[Namespace]:
@@ -205,9 +199,7 @@ class Index:
         split_records: (upper, lower) records when plan.split is set.
         """
         if plan.collision is not None:
-            raise KeyCollisionError(
-                f"key {plan.collision.hex()} is taken by another prefix; insert refused"
-            )
+            raise KeyCollisionError(f"key {plan.collision.hex()} is taken by another prefix; insert refused")
         return self._write(
             lambda txn, checked: trie.apply(txn, self._dbs, checked),
             lambda txn: trie.check(txn, self._dbs, plan, new_record, split_records),
@@ -227,9 +219,7 @@ class Index:
                 return self.commit_insert(plan, new_record, split_records)
             except StaleInsertError:
                 continue
-        return self.commit_insert(
-            self.plan_insert(ns, tokens), new_record, split_records
-        )
+        return self.commit_insert(self.plan_insert(ns, tokens), new_record, split_records)
 
     def insert_many(
         self,
@@ -268,9 +258,7 @@ class Index:
             check_layout(self._namespace_in(txn, node.namespace), record)
             return node
 
-        return self._write(
-            lambda txn, node: trie.replace_record(txn, self._dbs, node, record), fits
-        )
+        return self._write(lambda txn, node: trie.replace_record(txn, self._dbs, node, record), fits)
 
     def remove(self, ns: Namespace, key: bytes) -> Node:
         """Remove a leaf of `ns`; NodeHasChildrenError if it is not one."""
@@ -347,9 +335,7 @@ class Index:
         node_keys = list(node_keys)
 
         def stamp_all(txn, _) -> int:
-            present = [
-                k for k in node_keys if txn.get(k, db=self._dbs.nodes) is not None
-            ]
+            present = [k for k in node_keys if txn.get(k, db=self._dbs.nodes) is not None]
             for key in present:
                 access.stamp(txn, self._dbs, key)
             return len(present)
@@ -366,9 +352,7 @@ class Index:
             if not batch:
                 return
             after = batch[-1][0]
-            yield from (
-                node for node in nodes if ns is None or node.namespace == ns.key
-            )
+            yield from (node for node in nodes if ns is None or node.namespace == ns.key)
 
     def bump(self, ns: Namespace, **deltas: int) -> None:
         """Add to counters of `ns`: hits, misses, tokens_served (and the maintained totals)."""
@@ -427,13 +411,9 @@ def _decode_spec(key: bytes, stored: bytes) -> NamespaceSpec:
     try:
         return NamespaceSpec.model_validate_json(stored)
     except ValidationError as e:
-        raise CorruptRecordError(
-            f"namespace {key.hex()}: spec does not validate: {e}"
-        ) from e
+        raise CorruptRecordError(f"namespace {key.hex()}: spec does not validate: {e}") from e
 
 
 def _same_spec(ns: Namespace, stored: bytes) -> None:
     if _decode_spec(ns.key, stored) != ns.spec:
-        raise KeyCollisionError(
-            f"namespace fingerprint {ns.hex} is taken by another spec"
-        )
+        raise KeyCollisionError(f"namespace fingerprint {ns.hex} is taken by another spec")

@@ -30,15 +30,11 @@ def as_tokens(tokens) -> np.ndarray:
         except (OverflowError, TypeError):
             pass  # fall through for a precise error
     if isinstance(tokens, (str, bytes, bytearray)):
-        raise InvalidTokensError(
-            f"tokens must be a sequence of ints, got {type(tokens).__name__}"
-        )
+        raise InvalidTokensError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
     try:
         arr = np.asarray(tokens)
     except (ValueError, TypeError) as e:
-        raise InvalidTokensError(
-            f"tokens are not a regular sequence of ints: {e}"
-        ) from e
+        raise InvalidTokensError(f"tokens are not a regular sequence of ints: {e}") from e
     if arr.ndim != 1:
         raise InvalidTokensError(f"tokens must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
@@ -48,9 +44,7 @@ def as_tokens(tokens) -> np.ndarray:
     if arr.dtype != np.dtype("<u4"):
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= 2**32:
-            raise InvalidTokensError(
-                f"tokens must be in [0, 2**32), got range [{lo}, {hi}]"
-            )
+            raise InvalidTokensError(f"tokens must be in [0, 2**32), got range [{lo}, {hi}]")
         arr = arr.astype("<u4")
     return arr
 

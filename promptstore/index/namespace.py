@@ -59,18 +59,14 @@ class LayerSpec(BaseModel):
         derived = _whole_state_of(data.get("kind"), data.get("children") or [])
         given = data.get("whole_state")
         if given is not None and given != derived:
-            raise ValueError(
-                f"whole_state={given} contradicts kind {data.get('kind')!r}"
-            )
+            raise ValueError(f"whole_state={given} contradicts kind {data.get('kind')!r}")
         data["whole_state"] = derived
         return data
 
     @model_validator(mode="after")
     def _children_only_for_lists(self) -> LayerSpec:
         if (self.kind == "cache_list") != bool(self.children):
-            raise ValueError(
-                "children are required for kind 'cache_list' and only there"
-            )
+            raise ValueError("children are required for kind 'cache_list' and only there")
         return self
 
 
@@ -79,9 +75,7 @@ def _whole_state_of(kind: Any, children: list[Any]) -> bool:
         return kind in WHOLE_STATE_KINDS
     # A cache list restores only where every one of its caches can.
     return any(
-        c.whole_state
-        if isinstance(c, LayerSpec)
-        else _whole_state_of(c.get("kind"), c.get("children") or [])
+        c.whole_state if isinstance(c, LayerSpec) else _whole_state_of(c.get("kind"), c.get("children") or [])
         for c in children
     )
 
@@ -105,9 +99,7 @@ class NamespaceSpec(BaseModel):
     def canonical_json(self) -> bytes:
         """The encoding the fingerprint hashes: sorted keys, no whitespace."""
         doc = {"v": _FINGERPRINT_VERSION, "spec": self.model_dump(mode="json")}
-        return json.dumps(
-            doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False
-        ).encode()
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
     def fingerprint(self) -> bytes:
         """xxh3-128 of the canonical JSON, 16 bytes."""

@@ -29,12 +29,8 @@ class LayerRef(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    whole: bool = Field(
-        description="whole-state snapshot at the node's end (else a range)"
-    )
-    present: bool = Field(
-        description="False for a whole-state layer not checkpointed here yet"
-    )
+    whole: bool = Field(description="whole-state snapshot at the node's end (else a range)")
+    present: bool = Field(description="False for a whole-state layer not checkpointed here yet")
     nbytes: int = Field(default=0, ge=0)
 
 
@@ -45,31 +41,19 @@ class NodeRecord(BaseModel):
 
     layers: list[LayerRef]
     tier: Tier = "hot"
-    file: str | None = Field(
-        default=None, description="safetensors path relative to the store"
-    )
+    file: str | None = Field(default=None, description="safetensors path relative to the store")
     nbytes: int = Field(default=0, ge=0)
     checksum: str | None = None
     created: float = Field(default_factory=time.time)
     hits: int = Field(default=0, ge=0)
-    prefill_seconds: float = Field(
-        default=0.0, ge=0.0, description="prefill time this node saves"
-    )
+    prefill_seconds: float = Field(default=0.0, ge=0.0, description="prefill time this node saves")
 
     @classmethod
-    def blank(
-        cls, namespace: Namespace, present: bool | Sequence[bool] = True, **fields
-    ) -> NodeRecord:
+    def blank(cls, namespace: Namespace, present: bool | Sequence[bool] = True, **fields) -> NodeRecord:
         """A record laid out for `namespace`; `present` for all layers or one flag per layer."""
-        flags = (
-            [present] * namespace.n_layers
-            if isinstance(present, bool)
-            else list(present)
-        )
+        flags = [present] * namespace.n_layers if isinstance(present, bool) else list(present)
         if len(flags) != namespace.n_layers:
-            raise RecordLayoutError(
-                f"{len(flags)} presence flags for {namespace.n_layers} layers"
-            )
+            raise RecordLayoutError(f"{len(flags)} presence flags for {namespace.n_layers} layers")
         layers = [LayerRef(whole=w, present=p) for w, p in zip(namespace.whole, flags)]
         return cls(layers=layers, **fields)
 
@@ -130,9 +114,7 @@ class Node:
             try:
                 self._record = NodeRecord.model_validate_json(self.record_json)
             except ValidationError as e:
-                raise CorruptRecordError(
-                    f"node {self.key.hex()}: record does not validate: {e}"
-                ) from e
+                raise CorruptRecordError(f"node {self.key.hex()}: record does not validate: {e}") from e
         return self._record
 
     def __repr__(self) -> str:
@@ -178,26 +160,14 @@ def decode_node(key: bytes, value, edge) -> Node:
         raise CorruptRecordError(f"node {key.hex()}: missing record or edge")
     value, edge = bytes(value), bytes(edge)  # one copy each out of the txn's map
     if len(value) < _HEADER.size:
-        raise CorruptRecordError(
-            f"node {key.hex()}: record of {len(value)} bytes is truncated"
-        )
-    checksum, magic, version, ns, parent, start, end, n_layers, nbytes, body_len = (
-        _HEADER.unpack_from(value)
-    )
+        raise CorruptRecordError(f"node {key.hex()}: record of {len(value)} bytes is truncated")
+    checksum, magic, version, ns, parent, start, end, n_layers, nbytes, body_len = _HEADER.unpack_from(value)
     body_at = _HEADER.size + (n_layers + 7) // 8
     if magic != _MAGIC or version != _VERSION:
-        raise CorruptRecordError(
-            f"node {key.hex()}: unknown header {magic!r} v{version}"
-        )
-    if (
-        len(value) != body_at + body_len
-        or end <= start
-        or len(edge) != 4 * (end - start)
-    ):
+        raise CorruptRecordError(f"node {key.hex()}: unknown header {magic!r} v{version}")
+    if len(value) != body_at + body_len or end <= start or len(edge) != 4 * (end - start):
         raise CorruptRecordError(f"node {key.hex()}: inconsistent lengths")
     if _checksum(memoryview(value)[8:], edge) != checksum:
         raise CorruptRecordError(f"node {key.hex()}: checksum mismatch")
     present = int.from_bytes(value[_HEADER.size : body_at], "little")
-    return Node(
-        key, ns, parent, start, end, n_layers, present, nbytes, edge, value, body_at
-    )
+    return Node(key, ns, parent, start, end, n_layers, present, nbytes, edge, value, body_at)

@@ -164,9 +164,7 @@ def walk(txn: lmdb.Transaction, dbs: Dbs, ns: Namespace, tokens: np.ndarray) -> 
     return _match(ns, path, matched, corrupt)
 
 
-def _child(
-    txn, dbs, ns, parent: bytes, token: int, depth: int, corrupt: list[bytes]
-) -> Node | None:
+def _child(txn, dbs, ns, parent: bytes, token: int, depth: int, corrupt: list[bytes]) -> Node | None:
     key = txn.get(keys.child_key(parent, token), db=dbs.children)
     if key is None:
         return None
@@ -206,13 +204,9 @@ def _agreeing(node: Node, query: bytes, tokens: np.ndarray, depth: int) -> int:
     return int(np.argmax(differs))
 
 
-def _match(
-    ns: Namespace, path: list[Node], matched: int, corrupt: list[bytes]
-) -> Match:
+def _match(ns: Namespace, path: list[Node], matched: int, corrupt: list[bytes]) -> Match:
     restorable = _restorable(ns, path, matched)
-    depth = next(
-        (i for i, node in enumerate(path) if node.start < restorable <= node.end), -1
-    )
+    depth = next((i for i, node in enumerate(path) if node.start < restorable <= node.end), -1)
     return Match(
         ns,
         path,
@@ -243,16 +237,11 @@ def _restorable(ns: Namespace, path: list[Node], matched: int) -> int:
     return best
 
 
-def _checkpoints(
-    ns: Namespace, path: list[Node], matched: int, restorable: int
-) -> tuple[int, ...]:
+def _checkpoints(ns: Namespace, path: list[Node], matched: int, restorable: int) -> tuple[int, ...]:
     if not ns.whole_mask or not path:
         return ()
     ends = [
-        node.end
-        for node in path
-        if restorable < node.end <= matched
-        and node.present & ns.whole_mask != ns.whole_mask
+        node.end for node in path if restorable < node.end <= matched and node.present & ns.whole_mask != ns.whole_mask
     ]
     if path[-1].start < matched < path[-1].end:
         ends.append(matched)  # the insert will split here, making a branch point
@@ -262,15 +251,12 @@ def _checkpoints(
 # --- insert -----------------------------------------------------------------
 
 
-def plan(
-    txn: lmdb.Transaction, dbs: Dbs, ns: Namespace, tokens: np.ndarray
-) -> InsertPlan:
+def plan(txn: lmdb.Transaction, dbs: Dbs, ns: Namespace, tokens: np.ndarray) -> InsertPlan:
     """What inserting `tokens` would change, as seen by `txn`."""
     match = walk(txn, dbs, ns, tokens)
     if match.corrupt:
         raise CorruptRecordError(
-            f"cannot insert through corrupt node {match.corrupt[0].hex()}; "
-            "remove or repair it first"
+            f"cannot insert through corrupt node {match.corrupt[0].hex()}; remove or repair it first"
         )
     m, n = match.matched, len(tokens)
     hasher = keys.prefix_hasher(ns.key)
@@ -280,9 +266,7 @@ def plan(
         last = match.path[-1]
         parent = last.key
         if m < last.end:
-            split = SplitPlan(
-                last.key, keys.digest(hasher.copy()), last.start, m, last.end
-            )
+            split = SplitPlan(last.key, keys.digest(hasher.copy()), last.start, m, last.end)
             parent = split.upper_key
     leaf_key = None
     if m < n:
@@ -292,9 +276,7 @@ def plan(
     return InsertPlan(ns, tokens, match, split, parent, leaf_key, collision)
 
 
-def _collision(
-    txn, dbs, ns: Namespace, new_keys: Sequence[bytes | None]
-) -> bytes | None:
+def _collision(txn, dbs, ns: Namespace, new_keys: Sequence[bytes | None]) -> bytes | None:
     """A new key that is already some other node's or namespace's address, if any."""
     seen = {ns.key}
     for key in new_keys:
@@ -324,8 +306,7 @@ def check(txn, dbs: Dbs, stale: InsertPlan, new_record, split_records) -> Checke
     current = plan(txn, dbs, stale.namespace, stale.tokens)
     if _decisions(current) != _decisions(stale):
         raise StaleInsertError(
-            f"trie changed since plan_insert (matched {stale.matched} -> "
-            f"{current.matched}); plan again"
+            f"trie changed since plan_insert (matched {stale.matched} -> {current.matched}); plan again"
         )
     return vet(txn, dbs, current, new_record, split_records)
 
@@ -334,9 +315,7 @@ def vet(txn, dbs: Dbs, current: InsertPlan, new_record, split_records) -> Checke
     """Refuse, before writing, colliding keys, an unknown namespace or unfit records."""
     ns = current.namespace
     if current.collision is not None:
-        raise KeyCollisionError(
-            f"key {current.collision.hex()} is taken by another prefix; insert refused"
-        )
+        raise KeyCollisionError(f"key {current.collision.hex()} is taken by another prefix; insert refused")
     if txn.get(ns.key, db=dbs.namespaces) is None:
         raise UnknownNamespaceError(f"namespace {ns.hex} is not registered")
     if callable(split_records):
@@ -353,8 +332,7 @@ def _check_records(p: InsertPlan, new_record, split_records) -> None:
     if p.split is not None:
         if split_records is None:
             raise RecordLayoutError(
-                f"insert splits node {p.split.key.hex()} at {p.split.at}; "
-                "split_records=(upper, lower) required"
+                f"insert splits node {p.split.key.hex()} at {p.split.at}; split_records=(upper, lower) required"
             )
         for record in split_records:
             check_layout(p.namespace, record)
@@ -385,12 +363,8 @@ def _split(txn, dbs, p: InsertPlan, upper: NodeRecord, lower: NodeRecord) -> Non
     ns_key, split, old = p.namespace.key, p.split, p.match.path[-1]
     cut = 4 * (split.at - split.start)
     upper_span, lower_span = (split.start, split.at), (split.at, split.end)
-    _put_node(
-        txn, dbs, split.upper_key, ns_key, old.parent, upper_span, upper, old.edge[:cut]
-    )
-    _put_node(
-        txn, dbs, old.key, ns_key, split.upper_key, lower_span, lower, old.edge[cut:]
-    )
+    _put_node(txn, dbs, split.upper_key, ns_key, old.parent, upper_span, upper, old.edge[:cut])
+    _put_node(txn, dbs, old.key, ns_key, split.upper_key, lower_span, lower, old.edge[cut:])
     access.stamp(txn, dbs, split.upper_key)
     nbytes = upper.nbytes + lower.nbytes - old.nbytes
     counters.add(txn, dbs, ns_key, {"nodes": 1, "nbytes": nbytes})
@@ -428,9 +402,7 @@ def removable_leaf(txn, dbs: Dbs, ns: Namespace, key: bytes) -> Node:
     """The leaf `key` of `ns`; NodeNotFoundError or NodeHasChildrenError otherwise."""
     node = node_in(txn, dbs, ns.key, key)
     if has_children(txn, dbs, key):
-        raise NodeHasChildrenError(
-            f"node {key.hex()} [{node.start}, {node.end}) has children"
-        )
+        raise NodeHasChildrenError(f"node {key.hex()} [{node.start}, {node.end}) has children")
     return node
 
 
@@ -439,9 +411,7 @@ def joinable(txn, dbs: Dbs, ns: Namespace, key: bytes) -> tuple[Node, Node]:
     node = node_in(txn, dbs, ns.key, key)
     kids = child_keys(txn, dbs, key)
     if len(kids) != 1:
-        raise NodeHasChildrenError(
-            f"node {key.hex()} has {len(kids)} children; only a run of single children joins"
-        )
+        raise NodeHasChildrenError(f"node {key.hex()} has {len(kids)} children; only a run of single children joins")
     return node, node_in(txn, dbs, ns.key, kids[0])
 
 

@@ -15,18 +15,17 @@ import json
 import os
 import secrets
 import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import mlx.core as mx
 import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..caches import FORMAT_VERSION, Snapshot, from_flat, to_flat
-from ..caches.serialize import READABLE_VERSIONS, parse_record
-from ..caches.serialize import METADATA_KEY
+from ..caches.serialize import METADATA_KEY, READABLE_VERSIONS, parse_record
 from ..errors import CacheError, ColdFileError, DiskWriteError
 from .safetensors_header import read_header
 
@@ -122,7 +121,7 @@ class PendingLoad:
     """A cold file MLX is reading; nothing of it is used before `result()` has
     checked its identity, record and every array's checksum."""
 
-    def __init__(self, tier: "ColdTier", rel: str, key: bytes, namespace: bytes, start: int, end: int):
+    def __init__(self, tier: ColdTier, rel: str, key: bytes, namespace: bytes, start: int, end: int):
         self.rel, self.span = rel, (start, end)
         self.error: ColdFileError | None = None
         self.arrays: dict[str, mx.array] = {}
@@ -223,9 +222,15 @@ class ColdTier:
         """Write a node's snapshots durably; returns the ref to publish in the index."""
         arrays, metadata = to_flat(snapshots)
         sums = checksums(arrays)  # evaluates the arrays too
-        meta = NodeFileMeta(format_version=FORMAT_VERSION, key=key.hex(), namespace=namespace.hex(),
-                            start=start, end=end, checksums=sums,
-                            record=xxhash.xxh3_128_hexdigest(metadata[METADATA_KEY].encode()))
+        meta = NodeFileMeta(
+            format_version=FORMAT_VERSION,
+            key=key.hex(),
+            namespace=namespace.hex(),
+            start=start,
+            end=end,
+            checksums=sums,
+            record=xxhash.xxh3_128_hexdigest(metadata[METADATA_KEY].encode()),
+        )
         metadata[NODE_KEY] = meta.model_dump_json()
         rel = self.relative_path(key, start, end, secrets.token_hex(TAG_BYTES))
         final = self.root / rel
@@ -278,7 +283,7 @@ class ColdTier:
         """The node's verified snapshots, or ColdFileError saying what is wrong."""
         return self.start_load(rel, key=key, namespace=namespace, start=start, end=end).result()
 
-    def start_load(self, rel: str, *, key: bytes, namespace: bytes, start: int, end: int) -> "PendingLoad":
+    def start_load(self, rel: str, *, key: bytes, namespace: bytes, start: int, end: int) -> PendingLoad:
         """Check the file's header and let MLX start reading it; `.result()` then
         verifies it. Starting the loads of several nodes before taking any
         result reads the files back to back while earlier ones are hashed."""
@@ -346,8 +351,7 @@ class ColdTier:
                 yield str(path.relative_to(self.root)), size
 
     def iter_temp_files(self) -> Iterator[Path]:
-        for path in self.files.rglob(f"*{TEMP_MARK}*"):
-            yield path
+        yield from self.files.rglob(f"*{TEMP_MARK}*")
 
     def disk_bytes(self) -> int:
         return sum(size for _, size in self.iter_files())

@@ -10,9 +10,9 @@ elsewhere nothing is wired.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
 
 import mlx.core as mx
 
@@ -33,7 +33,7 @@ class HotEntry:
     meta: dict = field(default_factory=dict)  # what the spiller needs (namespace, span)
 
 
-def wire(budget: int) -> Optional[int]:
+def wire(budget: int) -> int | None:
     """Keep up to `budget` bytes resident on Apple silicon; None where nothing is wired."""
     metal = getattr(mx, "metal", None)
     if metal is None or not metal.is_available():
@@ -60,8 +60,15 @@ class HotTier:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def put(self, key: bytes, snapshots: list[Snapshot], *, prefill_seconds: float = 0.0,
-            dirty: bool = True, meta: Optional[dict] = None) -> list[HotEntry]:
+    def put(
+        self,
+        key: bytes,
+        snapshots: list[Snapshot],
+        *,
+        prefill_seconds: float = 0.0,
+        dirty: bool = True,
+        meta: dict | None = None,
+    ) -> list[HotEntry]:
         """Hold `snapshots` for `key`; returns the entries evicted to make room."""
         with self.lock:
             old = self.entries.pop(key, None)
@@ -69,13 +76,22 @@ class HotTier:
                 self.nbytes -= old.nbytes
             self.clock += 1
             nbytes = sum(s.nbytes for s in snapshots if s is not None)
-            entry = HotEntry(key, snapshots, nbytes, prefill_seconds, 0 if old is None else old.hits,
-                             self.clock, 0 if old is None else old.pins, dirty, meta or {})
+            entry = HotEntry(
+                key,
+                snapshots,
+                nbytes,
+                prefill_seconds,
+                0 if old is None else old.hits,
+                self.clock,
+                0 if old is None else old.pins,
+                dirty,
+                meta or {},
+            )
             self.entries[key] = entry
             self.nbytes += nbytes
             return self.evict()
 
-    def get(self, key: bytes) -> Optional[HotEntry]:
+    def get(self, key: bytes) -> HotEntry | None:
         """The entry for `key` (counted as a use), or None."""
         with self.lock:
             entry = self.entries.get(key)
@@ -84,7 +100,7 @@ class HotTier:
                 entry.used_at, entry.hits = self.clock, entry.hits + 1
             return entry
 
-    def pop(self, key: bytes) -> Optional[HotEntry]:
+    def pop(self, key: bytes) -> HotEntry | None:
         with self.lock:
             entry = self.entries.pop(key, None)
             if entry is not None:

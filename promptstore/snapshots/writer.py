@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -31,15 +31,16 @@ class SpillJob:
     end: int
     snapshots: list[Snapshot]
     done: threading.Event = field(default_factory=threading.Event)
-    ref: Optional[FileRef] = None
-    error: Optional[Exception] = None
+    ref: FileRef | None = None
+    error: Exception | None = None
 
 
 class Writer:
     """One thread writing SpillJobs in order."""
 
-    def __init__(self, cold: ColdTier, publish: Callable[[SpillJob], None],
-                 failed: Callable[[SpillJob], None], maxsize: int = 64):
+    def __init__(
+        self, cold: ColdTier, publish: Callable[[SpillJob], None], failed: Callable[[SpillJob], None], maxsize: int = 64
+    ):
         self.cold, self.publish, self.failed = cold, publish, failed
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.thread = threading.Thread(target=self._run, name="promptstore-writer", daemon=True)

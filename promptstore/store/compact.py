@@ -14,12 +14,18 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
-from ..errors import (ColdFileError, CorruptRecordError, NodeHasChildrenError, NodeNotFoundError,
-                      PromptStoreError, StaleInsertError)
+from ..errors import (
+    ColdFileError,
+    CorruptRecordError,
+    NodeHasChildrenError,
+    NodeNotFoundError,
+    PromptStoreError,
+    StaleInsertError,
+)
 from ..snapshots.cold import TEMP_MARK
 from .store import PromptStore
 from .tiers import unfile
@@ -68,7 +74,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _temp_pid(path: Path) -> Optional[int]:
+def _temp_pid(path: Path) -> int | None:
     try:
         return int(path.name.split(TEMP_MARK, 1)[1].split("-", 1)[0])
     except (IndexError, ValueError):
@@ -88,7 +94,7 @@ class Compactor:
     def inventory(self) -> dict:
         nodes = files = nbytes = 0
         for ns in self.index.namespaces():
-            for node in self.index.iter_nodes(ns):
+            for _node in self.index.iter_nodes(ns):
                 nodes += 1
         for _, size in self.cold.iter_files():
             files += 1
@@ -247,13 +253,22 @@ class Compactor:
             self.report.add("merged chains", nodes=1, files=1)
             return False
         ref = self.cold.write(child.key, node.namespace, node.start, child.end, layers)
-        record = child.record.model_copy(update={
-            "layers": [r.model_copy(update={"present": s is not None and s.complete, "nbytes": 0 if s is None else s.nbytes})
-                       for r, s in zip(child.record.layers, layers)],
-            "file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": "cold",
-            "prefill_seconds": node.record.prefill_seconds + child.record.prefill_seconds,
-            "hits": max(node.record.hits, child.record.hits),
-        })
+        record = child.record.model_copy(
+            update={
+                "layers": [
+                    r.model_copy(
+                        update={"present": s is not None and s.complete, "nbytes": 0 if s is None else s.nbytes}
+                    )
+                    for r, s in zip(child.record.layers, layers)
+                ],
+                "file": ref.path,
+                "nbytes": ref.nbytes,
+                "checksum": ref.checksum,
+                "tier": "cold",
+                "prefill_seconds": node.record.prefill_seconds + child.record.prefill_seconds,
+                "hits": max(node.record.hits, child.record.hits),
+            }
+        )
         try:
             self.index.join_child(ns, node.key, record, expect=(node, child))
         except (NodeHasChildrenError, NodeNotFoundError, StaleInsertError):
@@ -301,8 +316,16 @@ class Compactor:
         return self.store.exclusive
 
 
-def compact(path: str | os.PathLike, *, max_bytes: Optional[int] = None, verify: bool = False,
-            dry_run: bool = False, lmdb: bool = True, merge: bool = True, tick: Callable[[str], None] = lambda step: None) -> CompactReport:
+def compact(
+    path: str | os.PathLike,
+    *,
+    max_bytes: int | None = None,
+    verify: bool = False,
+    dry_run: bool = False,
+    lmdb: bool = True,
+    merge: bool = True,
+    tick: Callable[[str], None] = lambda step: None,
+) -> CompactReport:
     """Repair and shrink the store at `path`; see the module docstring for what runs when."""
     report = CompactReport(dry_run=dry_run)
     started = time.perf_counter()

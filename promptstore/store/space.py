@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,8 +20,17 @@ import numpy as np
 from .. import caches as C
 from ..caches import Snapshot
 from ..caches.base import as_position
-from ..errors import (CacheError, CacheShapeError, CorruptRecordError, KeyCollisionError, NodeNotFoundError,
-                      SettingsError, SnapshotRangeError, StaleInsertError, UnsupportedCacheError)
+from ..errors import (
+    CacheError,
+    CacheShapeError,
+    CorruptRecordError,
+    KeyCollisionError,
+    NodeNotFoundError,
+    SettingsError,
+    SnapshotRangeError,
+    StaleInsertError,
+    UnsupportedCacheError,
+)
 from ..index import LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens
 
 if TYPE_CHECKING:
@@ -101,15 +111,21 @@ def split_for_edge(snapshot: Snapshot, at: int):
     if snapshot.kind == "cache_list":
         halves = [split_for_edge(c, at) for c in snapshot.children]
         scalars = dict(snapshot.scalars)
-        return (Snapshot(snapshot.kind, snapshot.start, at, snapshot.whole, {}, scalars, tuple(u for u, _ in halves)),
-                Snapshot(snapshot.kind, at, snapshot.end, snapshot.whole, {}, dict(scalars), tuple(lo for _, lo in halves)))
-    return None, Snapshot(snapshot.kind, at, snapshot.end, True, snapshot.arrays, dict(snapshot.scalars), snapshot.children)
+        return (
+            Snapshot(snapshot.kind, snapshot.start, at, snapshot.whole, {}, scalars, tuple(u for u, _ in halves)),
+            Snapshot(snapshot.kind, at, snapshot.end, snapshot.whole, {}, dict(scalars), tuple(lo for _, lo in halves)),
+        )
+    return None, Snapshot(
+        snapshot.kind, at, snapshot.end, True, snapshot.arrays, dict(snapshot.scalars), snapshot.children
+    )
 
 
 def _describe(signature: tuple) -> str:
     """A `signature()` in words: 'keys float16 [1, 8, 64], ...', a cache list's children in []."""
-    parts = [f"{e[0]} {e[1].rsplit('.', 1)[-1]} {list(e[2])}" if e and isinstance(e[0], str) else f"[{_describe(e)}]"
-             for e in signature]
+    parts = [
+        f"{e[0]} {e[1].rsplit('.', 1)[-1]} {list(e[2])}" if e and isinstance(e[0], str) else f"[{_describe(e)}]"
+        for e in signature
+    ]
     return ", ".join(parts) or "none"
 
 
@@ -120,19 +136,19 @@ class _SplitDataUnavailable(Exception):
 class Space:
     """One namespace of a store, bound to a model."""
 
-    def __init__(self, store: "PromptStore", model: nn.Module, namespace: Namespace, cache_kwargs: dict):
+    def __init__(self, store: PromptStore, model: nn.Module, namespace: Namespace, cache_kwargs: dict):
         self.store, self.model, self.namespace = store, model, namespace
         self.cache_kwargs = cache_kwargs
         self.index, self.tiers = store.index, store.tiers
-        self.last_hit: Optional[Hit] = None
+        self.last_hit: Hit | None = None
         self._touched: list[bytes] = []
         self._counts: Counter = Counter()
         self._flushed = time.monotonic()
-        self._signatures: Optional[list] = None
+        self._signatures: list | None = None
         store.spaces.append(self)
 
     @classmethod
-    def bind(cls, store, model, model_id=None, salt=None, kv_bits=None, kv_group_size=64, max_kv_size=None) -> "Space":
+    def bind(cls, store, model, model_id=None, salt=None, kv_bits=None, kv_group_size=64, max_kv_size=None) -> Space:
         kwargs = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "max_kv_size": max_kv_size}
         template = C.make_prompt_cache(model, **kwargs)
         dtype = model_dtype(model)
@@ -183,10 +199,18 @@ class Space:
             self._account(path[:used], hits=1, tokens_served=length)
         else:
             self._account([], misses=1)
-        checkpoints = tuple(sorted({p for p in match.checkpoints + wanted if p > length}
-                                   | set(self._grid(length, len(toks) - 1))))
-        hit = Hit(length, cache, checkpoints, used, len([n for n in cold if n.start < length]), cold_tokens,
-                  time.perf_counter() - start)
+        checkpoints = tuple(
+            sorted({p for p in match.checkpoints + wanted if p > length} | set(self._grid(length, len(toks) - 1)))
+        )
+        hit = Hit(
+            length,
+            cache,
+            checkpoints,
+            used,
+            len([n for n in cold if n.start < length]),
+            cold_tokens,
+            time.perf_counter() - start,
+        )
         self.last_hit = hit
         return hit
 
@@ -245,7 +269,7 @@ class Space:
         chains = []
         for layer in range(self.namespace.n_layers):
             chain = []
-            for node, layers in zip(reversed(path), reversed(snaps)):
+            for _node, layers in zip(reversed(path), reversed(snaps)):
                 s = layers[layer]
                 if s is None:
                     break
@@ -259,7 +283,7 @@ class Space:
 
     # --- insert -----------------------------------------------------------------------
 
-    def insert(self, tokens, cache: Sequence[Any], prefill_seconds: Optional[float] = None) -> int:
+    def insert(self, tokens, cache: Sequence[Any], prefill_seconds: float | None = None) -> int:
         """Store what `cache` (holding exactly `tokens`) adds; returns new tokens stored."""
         toks = as_tokens(tokens)
         self._check_cache(cache)
@@ -286,13 +310,17 @@ class Space:
     def _check_cache(self, cache) -> None:
         """A list of this namespace's cache kinds and layouts, or a typed error."""
         if not isinstance(cache, (list, tuple)) or not all(isinstance(c, C.SnapshotProtocol) for c in cache):
-            raise UnsupportedCacheError("insert takes the list of per-layer caches a model ran with "
-                                        "(promptstore caches: see caches.make_prompt_cache / adopt_prompt_cache)")
+            raise UnsupportedCacheError(
+                "insert takes the list of per-layer caches a model ran with "
+                "(promptstore caches: see caches.make_prompt_cache / adopt_prompt_cache)"
+            )
         dtype = self.dtype
         given = [layer_spec(c, dtype) for c in cache]
         if given != list(self.namespace.spec.layers):
-            raise CacheShapeError(f"the cache's layout does not match namespace {self.namespace.hex[:12]}: "
-                                  f"{len(given)} layers of {[g.kind for g in given][:4]}...")
+            raise CacheShapeError(
+                f"the cache's layout does not match namespace {self.namespace.hex[:12]}: "
+                f"{len(given)} layers of {[g.kind for g in given][:4]}..."
+            )
 
     def _check_arrays(self, cache) -> None:
         """Every layer's arrays have the dtype, batch size, head count and head dim
@@ -302,8 +330,10 @@ class Space:
         for i, (c, want) in enumerate(zip(cache, expected)):
             got = c.signature()
             if got != want:
-                raise CacheShapeError(f"layer {i}'s arrays are {_describe(got)}, but this namespace's model "
-                                      f"makes {_describe(want)} (name, dtype, shape without the token axis)")
+                raise CacheShapeError(
+                    f"layer {i}'s arrays are {_describe(got)}, but this namespace's model "
+                    f"makes {_describe(want)} (name, dtype, shape without the token axis)"
+                )
 
     def array_signatures(self) -> list:
         """Per-layer `signature()` of a cache this model fills: from a one-token
@@ -326,7 +356,9 @@ class Space:
             record = self._record(snaps, None, node.end - node.start)
             span = (node.start, node.end)
             try:
-                self.index.update_record(node.key, record, expect=lambda n: (n.start, n.end) == span and not n.record.file)
+                self.index.update_record(
+                    node.key, record, expect=lambda n, span=span: (n.start, n.end) == span and not n.record.file
+                )
             except (StaleInsertError, NodeNotFoundError, CorruptRecordError):
                 continue
             self._put(node.key, (node.start, node.end), snaps, record.prefill_seconds)
@@ -371,9 +403,17 @@ class Space:
     def _record(self, snaps, prefill_seconds, n_tokens) -> NodeRecord:
         present = [s is not None and s.complete for s in snaps]
         record = NodeRecord.blank(self.namespace, present)
-        layers = [ref.model_copy(update={"nbytes": s.nbytes if s is not None else 0}) for ref, s in zip(record.layers, snaps)]
+        layers = [
+            ref.model_copy(update={"nbytes": s.nbytes if s is not None else 0}) for ref, s in zip(record.layers, snaps)
+        ]
         seconds = prefill_seconds if prefill_seconds is not None else self.store.estimate_prefill(n_tokens)
-        return record.model_copy(update={"layers": layers, "nbytes": sum(s.nbytes for s in snaps if s is not None), "prefill_seconds": seconds})
+        return record.model_copy(
+            update={
+                "layers": layers,
+                "nbytes": sum(s.nbytes for s in snaps if s is not None),
+                "prefill_seconds": seconds,
+            }
+        )
 
     def _split(self, plan, cache, position: int):
         node = self._node(plan.split.key)
@@ -399,8 +439,10 @@ class Space:
         if old_file:
             self.tiers.cold.delete(old_file)  # it spans the old edge: no record names it now
         split = plan.split
-        for key, span, snaps in ((split.upper_key, (split.start, split.at), uppers),
-                                 (split.key, (split.at, split.end), lowers)):
+        for key, span, snaps in (
+            (split.upper_key, (split.start, split.at), uppers),
+            (split.key, (split.at, split.end), lowers),
+        ):
             self._put(key, span, snaps, None)
 
     def _put(self, key: bytes, span: tuple[int, int], snaps, seconds) -> None:
@@ -435,8 +477,11 @@ class Space:
             new_record = self._record(merged, record.prefill_seconds, 0)
             span, old_file = (node.start, node.end), record.file
             # StaleInsertError (another process changed the node) retries the insert.
-            self.index.update_record(node.key, new_record.model_copy(update={"file": None}),
-                                     expect=lambda n: (n.start, n.end) == span and n.record.file == old_file)
+            self.index.update_record(
+                node.key,
+                new_record.model_copy(update={"file": None}),
+                expect=lambda n: (n.start, n.end) == span and n.record.file == old_file,
+            )
             self.tiers.forget(node.key)
             self._put(node.key, span, merged, record.prefill_seconds)
             if old_file:
@@ -444,7 +489,7 @@ class Space:
 
         return fill
 
-    def _node(self, key: bytes) -> Optional[Node]:
+    def _node(self, key: bytes) -> Node | None:
         try:
             return self.index.get(key)
         except CorruptRecordError:

@@ -11,7 +11,7 @@ import os
 import stat
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import mlx.nn as nn
 import platformdirs
@@ -53,7 +53,7 @@ class PromptStore:
         self._closed = False
 
     @classmethod
-    def open(cls, path: Optional[str | os.PathLike] = None, **settings: Any) -> "PromptStore":
+    def open(cls, path: str | os.PathLike | None = None, **settings: Any) -> PromptStore:
         """Open (creating it private) the store at `path` (default: `default_path()`).
 
         settings: fields of `promptstore.config.Settings`, over PROMPTSTORE_* variables.
@@ -63,7 +63,9 @@ class PromptStore:
         _prepare(root, config.dir_mode)
         return cls(root, config)
 
-    def namespace(self, model: nn.Module, model_id: Optional[str] = None, salt: Optional[str] = None, **cache_kwargs) -> Space:
+    def namespace(
+        self, model: nn.Module, model_id: str | None = None, salt: str | None = None, **cache_kwargs
+    ) -> Space:
         """Bind `model` (and its cache layout) to a namespace of this store.
 
         model_id: an identity you vouch for; without it the weights are digested.
@@ -117,7 +119,7 @@ class PromptStore:
         finally:
             handle.close()
 
-    def __enter__(self) -> "PromptStore":
+    def __enter__(self) -> PromptStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -143,8 +145,9 @@ def _prepare(root: Path, mode: int) -> None:
         raise StoreDirectoryError(f"{root} belongs to another user")
     if info.st_mode & 0o022:
         # Others could plant symlinks for the store to follow: refuse.
-        raise StoreDirectoryError(f"{root} is writable by others (mode {oct(stat.S_IMODE(info.st_mode))}); "
-                                  "make it private (chmod 700)")
+        raise StoreDirectoryError(
+            f"{root} is writable by others (mode {oct(stat.S_IMODE(info.st_mode))}); make it private (chmod 700)"
+        )
     for name in ("index", "cold", "lock"):
         if (root / name).is_symlink():
             raise StoreDirectoryError(f"{root / name} is a symlink; refusing to follow it")

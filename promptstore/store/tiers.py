@@ -14,9 +14,9 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -45,8 +45,9 @@ def unfile(index: Index, node: Node, path: str) -> bool:
     """Stop the index pointing at `path` for this node, if it still does."""
     try:
         record = node.record.model_copy(update={"file": None, "checksum": None, "tier": "hot"})
-        index.update_record(node.key, record, expect=lambda n: (n.start, n.end) == (node.start, node.end)
-                            and n.record.file == path)
+        index.update_record(
+            node.key, record, expect=lambda n: (n.start, n.end) == (node.start, node.end) and n.record.file == path
+        )
         return True
     except (NodeNotFoundError, CorruptRecordError, StaleInsertError):
         return False
@@ -57,7 +58,9 @@ class Tiers:
 
     def __init__(self, root: Path, index: Index, settings: Settings):
         self.index, self.settings = index, settings
-        self.cold = ColdTier(root / "cold", file_mode=settings.file_mode, dir_mode=settings.dir_mode, fsync=settings.fsync)
+        self.cold = ColdTier(
+            root / "cold", file_mode=settings.file_mode, dir_mode=settings.dir_mode, fsync=settings.fsync
+        )
         self.hot = HotTier(settings.hot_bytes)
         self.writer = Writer(self.cold, self._publish, self._failed, settings.writer_queue)
         self.pending: dict[bytes, SpillJob] = {}  # evicted from memory, not yet on disk
@@ -113,7 +116,7 @@ class Tiers:
         except CorruptRecordError:
             return False
 
-    def get(self, node: Node) -> Optional[list[Snapshot]]:
+    def get(self, node: Node) -> list[Snapshot] | None:
         """The node's snapshots from memory or a verified file; None is a miss."""
         held = self._held(node)
         if held is not None:
@@ -143,7 +146,7 @@ class Tiers:
             out.append(held)
         return out, cold
 
-    def _held(self, node: Node) -> Optional[list[Snapshot]]:
+    def _held(self, node: Node) -> list[Snapshot] | None:
         """The node's snapshots if this process holds them (hot, or queued for disk)."""
         span = (node.namespace, node.start, node.end)
         entry = self.hot.get(node.key)
@@ -166,7 +169,7 @@ class Tiers:
             return None
         return self.cold.start_load(record.file, key=node.key, namespace=node.namespace, start=node.start, end=node.end)
 
-    def _finish_load(self, node: Node, pending) -> Optional[list[Snapshot]]:
+    def _finish_load(self, node: Node, pending) -> list[Snapshot] | None:
         try:
             snapshots = pending.result()
         except ColdFileError as e:
@@ -174,7 +177,9 @@ class Tiers:
             return None
         self.counts["cold_loads"] += 1
         meta = {"namespace": node.namespace, "start": node.start, "end": node.end}
-        for entry in self.hot.put(node.key, snapshots, prefill_seconds=node.record.prefill_seconds, dirty=False, meta=meta):
+        for entry in self.hot.put(
+            node.key, snapshots, prefill_seconds=node.record.prefill_seconds, dirty=False, meta=meta
+        ):
             if entry.dirty:
                 self._submit(self._job(entry.key, entry.snapshots, entry.meta))
         return snapshots
@@ -213,9 +218,13 @@ class Tiers:
                 return
             old = node.record.file
             tier = "both" if job.key in self.hot else "cold"
-            record = node.record.model_copy(update={"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": tier})
+            record = node.record.model_copy(
+                update={"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": tier}
+            )
             span = (job.namespace, job.start, job.end)
-            self.index.update_record(job.key, record, expect=lambda n: (n.namespace, n.start, n.end) == span and n.record.file == old)
+            self.index.update_record(
+                job.key, record, expect=lambda n: (n.namespace, n.start, n.end) == span and n.record.file == old
+            )
         except (NodeNotFoundError, CorruptRecordError, StaleInsertError):
             self.cold.delete(ref.path)  # the node changed meanwhile: this file is not its
             self.counts["spills_dropped"] += 1
@@ -261,7 +270,7 @@ class Tiers:
             except CorruptRecordError:
                 continue
 
-    def evict_cold(self, budget: Optional[int] = None) -> tuple[int, int]:
+    def evict_cold(self, budget: int | None = None) -> tuple[int, int]:
         """Evict leaves with files, least valuable first, until the cold tier is
         within `budget` (default: the setting). Returns (nodes, bytes) removed."""
         budget = self.settings.disk_bytes if budget is None else budget

@@ -58,9 +58,7 @@ _COMMON = dict(
 _ARGS: dict[str, dict[str, Any]] = {
     # Untied head: with tied embeddings a 2-layer model predicts the token it
     # was just given, so greedy decoding repeats one token forever.
-    "llama": dict(
-        _COMMON, num_hidden_layers=2, rope_theta=500000.0, tie_word_embeddings=False
-    ),
+    "llama": dict(_COMMON, num_hidden_layers=2, rope_theta=500000.0, tie_word_embeddings=False),
     "gemma3_text": dict(
         _COMMON,
         num_hidden_layers=4,
@@ -145,9 +143,7 @@ def model_args(family: str, **overrides: Any):
     return _module(family).ModelArgs.from_dict(config)
 
 
-def tiny_model(
-    family: str, *, seed: int = 0, dtype: mx.Dtype = mx.float32, **overrides: Any
-) -> nn.Module:
+def tiny_model(family: str, *, seed: int = 0, dtype: mx.Dtype = mx.float32, **overrides: Any) -> nn.Module:
     """A small `family` model with weights fixed by `seed`, in eval mode.
 
     `overrides` go to model_args. Reseeds mlx's global generator: the

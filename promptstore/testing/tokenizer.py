@@ -32,7 +32,10 @@ def demo_tokenizer(vocab_size: int = 512):
     )
     bpe.train_from_iterator(CORPUS.read_text().splitlines(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        tokenizer_object=bpe,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
         chat_template=CHAT_TEMPLATE,
     )
     return TokenizerWrapper(fast)

@@ -32,24 +32,44 @@ def state(cache):
 
 def unchanged(cache, before):
     offset, keys = state(cache)
-    return offset == before[0] and (keys is None) == (before[1] is None) and (
-        keys is None or (keys.shape == before[1].shape and mx.array_equal(keys, before[1]).item())
+    return (
+        offset == before[0]
+        and (keys is None) == (before[1] is None)
+        and (keys is None or (keys.shape == before[1].shape and mx.array_equal(keys, before[1]).item()))
     )
 
 
 def snap(**changes):
     base = kv_cache(6).snapshot(0)
-    fields = dict(kind=base.kind, start=base.start, end=base.end, whole=base.whole,
-                  arrays=dict(base.arrays), scalars=dict(base.scalars))
+    fields = dict(
+        kind=base.kind,
+        start=base.start,
+        end=base.end,
+        whole=base.whole,
+        arrays=dict(base.arrays),
+        scalars=dict(base.scalars),
+    )
     fields.update(changes)
     return C.Snapshot(**fields)
 
 
 BAD_RESTORES = {
     "wrong rank": (snap(arrays={"keys": mx.zeros((2, 6, 32)), "values": mx.zeros((2, 6, 32))}), 6, CacheShapeError),
-    "wrong head count": (snap(arrays={"keys": mx.zeros((1, 3, 6, 32)), "values": mx.zeros((1, 3, 6, 32))}), 6, CacheShapeError),
-    "mismatched keys/values": (snap(arrays={"keys": mx.zeros((1, 2, 6, 32)), "values": mx.zeros((1, 2, 5, 32))}), 6, CacheShapeError),
-    "keys/values dtypes differ": (snap(arrays={"keys": mx.zeros((1, 2, 6, 32)), "values": mx.zeros((1, 2, 6, 32), dtype=mx.float16)}), 6, CacheShapeError),
+    "wrong head count": (
+        snap(arrays={"keys": mx.zeros((1, 3, 6, 32)), "values": mx.zeros((1, 3, 6, 32))}),
+        6,
+        CacheShapeError,
+    ),
+    "mismatched keys/values": (
+        snap(arrays={"keys": mx.zeros((1, 2, 6, 32)), "values": mx.zeros((1, 2, 5, 32))}),
+        6,
+        CacheShapeError,
+    ),
+    "keys/values dtypes differ": (
+        snap(arrays={"keys": mx.zeros((1, 2, 6, 32)), "values": mx.zeros((1, 2, 6, 32), dtype=mx.float16)}),
+        6,
+        CacheShapeError,
+    ),
     "missing values": (snap(arrays={"keys": mx.zeros((1, 2, 6, 32))}), 6, SnapshotFormatError),
     "negative target": (snap(), -1, SnapshotRangeError),
     "target past the end": (snap(), 7, SnapshotRangeError),

@@ -45,9 +45,13 @@ def test_speculative_decoding_from_a_restored_cache(model_of):
     want = stream(model, tokens, fresh_cache(model), n=20)
     cache = restored(model, tokens, K) + fresh_cache(draft)
     # The draft's cache must hold the same prefix: prefill it the plain way.
-    forward(draft, cache[len(model.layers):], tokens[:K])
-    got = [int(t) for t, _, _ in speculative_generate_step(
-        tokens[K:], model, draft, prompt_cache=cache, max_tokens=20, num_draft_tokens=3)]
+    forward(draft, cache[len(model.layers) :], tokens[:K])
+    got = [
+        int(t)
+        for t, _, _ in speculative_generate_step(
+            tokens[K:], model, draft, prompt_cache=cache, max_tokens=20, num_draft_tokens=3
+        )
+    ]
     assert got == want
 
 

@@ -78,7 +78,7 @@ def test_restore_through_merge_and_split(model_of, family, kv_bits):
     merged = reduce(C.merge_prompt_snapshots, chain)
     assert all(C.arrays_equal(a, b) for a, b in zip(C.merge_prompt_chain(chain), merged))
     uppers, lowers = C.split_prompt_snapshots(merged, 31)
-    layers = [[u, l] if u is not None else [l] for u, l in zip(uppers, lowers)]
+    layers = [[u, lo] if u is not None else [lo] for u, lo in zip(uppers, lowers)]
     assert_same(ref, continue_from(model, layers, tokens, kv_bits, K))
     # Range-only models restore anywhere inside; check a point inside too.
     if all(u is not None for u in uppers):
@@ -90,10 +90,18 @@ def test_bfloat16_snapshots_restore_exactly(model_of, family):
     model = model_of(family)
     cache = fresh_cache(model)
     forward(model, cache, prompt_tokens(40))
-    snaps = [C.Snapshot(s.kind, s.start, s.end, s.whole,
-                        {k: a.astype(mx.bfloat16) if a.dtype == mx.float32 else a for k, a in s.arrays.items()},
-                        s.scalars, s.children)
-             for s in C.snapshot_prompt_cache(cache, 0)]
+    snaps = [
+        C.Snapshot(
+            s.kind,
+            s.start,
+            s.end,
+            s.whole,
+            {k: a.astype(mx.bfloat16) if a.dtype == mx.float32 else a for k, a in s.arrays.items()},
+            s.scalars,
+            s.children,
+        )
+        for s in C.snapshot_prompt_cache(cache, 0)
+    ]
     arrays, meta = C.to_flat(snaps)
     back = C.from_flat(arrays, meta)
     assert all(C.arrays_equal(a, b) for a, b in zip(snaps, back))

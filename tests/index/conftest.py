@@ -8,9 +8,7 @@ from promptstore.index import Index, LayerSpec, NamespaceSpec, NodeRecord
 
 # Range layers only; a hybrid with a sliding window; recurrent state inside a cache list.
 SPECS = (
-    NamespaceSpec(
-        model_id="test/kv", layers=[LayerSpec(kind="kv"), LayerSpec(kind="kv")]
-    ),
+    NamespaceSpec(model_id="test/kv", layers=[LayerSpec(kind="kv"), LayerSpec(kind="kv")]),
     NamespaceSpec(
         model_id="test/hybrid",
         layers=[LayerSpec(kind="kv"), LayerSpec(kind="rotating", window=4)],

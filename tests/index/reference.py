@@ -21,9 +21,7 @@ def lcp(a: tuple, b: tuple) -> int:
 @dataclass
 class RefTrie:
     whole: tuple[bool, ...]
-    nodes: dict[tuple, tuple[tuple[bool, ...], int]] = field(
-        default_factory=dict
-    )  # prefix -> (present, nbytes)
+    nodes: dict[tuple, tuple[tuple[bool, ...], int]] = field(default_factory=dict)  # prefix -> (present, nbytes)
 
     def matched(self, seq: tuple) -> int:
         return max((lcp(seq, p) for p in self.nodes), default=0)
@@ -37,22 +35,16 @@ class RefTrie:
 
     def path(self, seq: tuple) -> list[tuple]:
         m = self.matched(seq)
-        path = sorted(
-            (p for p in self.nodes if len(p) <= m and seq[: len(p)] == p), key=len
-        )
+        path = sorted((p for p in self.nodes if len(p) <= m and seq[: len(p)] == p), key=len)
         if (len(path[-1]) if path else 0) < m:
-            path.append(
-                min((p for p in self.nodes if len(p) > m and p[:m] == seq[:m]), key=len)
-            )
+            path.append(min((p for p in self.nodes if len(p) > m and p[:m] == seq[:m]), key=len))
         return path
 
     def spans(self, seq: tuple) -> list[tuple[int, int]]:
         return [(len(self.parent(p)), len(p)) for p in self.path(seq)]
 
     def restorable(self, seq: tuple) -> int:
-        nodes = [
-            (len(self.parent(p)), len(p), self.nodes[p][0]) for p in self.path(seq)
-        ]
+        nodes = [(len(self.parent(p)), len(p), self.nodes[p][0]) for p in self.path(seq)]
         for pos in range(self.matched(seq), 0, -1):
             if all(self._reaches(i, w, pos, nodes) for i, w in enumerate(self.whole)):
                 return pos

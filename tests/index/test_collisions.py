@@ -21,9 +21,7 @@ def every_key_collides(monkeypatch):
 @pytest.fixture
 def keys_collide_often(monkeypatch):
     real = keys.digest
-    monkeypatch.setattr(
-        keys, "digest", lambda hasher: real(hasher)[:1] * 16
-    )  # 256 keys
+    monkeypatch.setattr(keys, "digest", lambda hasher: real(hasher)[:1] * 16)  # 256 keys
 
 
 def test_every_key_collides(index, spaces, every_key_collides):
@@ -41,9 +39,7 @@ def test_every_key_collides(index, spaces, every_key_collides):
     assert index.lookup(hybrid, [1, 2, 3]).matched == 0
 
 
-def test_frequent_collisions_never_serve_a_wrong_prefix(
-    index, spaces, keys_collide_often
-):
+def test_frequent_collisions_never_serve_a_wrong_prefix(index, spaces, keys_collide_often):
     rng = random.Random(7)
     kv, other = spaces[0], spaces[2]
     accepted, refused = [], 0

@@ -50,10 +50,7 @@ def test_unknown_schema_is_refused(tmp_path, found):
     for readonly in (False, True):
         with pytest.raises(SchemaVersionError) as err:
             Index.open(path, readonly=readonly)
-        assert (
-            err.value.found == found.decode()
-            and err.value.expected == env.SCHEMA_VERSION
-        )
+        assert err.value.found == found.decode() and err.value.expected == env.SCHEMA_VERSION
         assert found.decode() in str(err.value)
 
 
@@ -105,9 +102,7 @@ def test_map_grows_when_full(tmp_path):
         assert grown["map_size"] > start and grown["used_bytes"] > 64 << 10
     with Index.open(path, map_size=64 << 10, sync=False) as ix:
         assert all(ix.lookup(kv, seq).matched == 301 for seq in seqs)
-        ix.insert(
-            kv, [5000] * 2000, NodeRecord.blank(kv)
-        )  # grows again from the small map
+        ix.insert(kv, [5000] * 2000, NodeRecord.blank(kv))  # grows again from the small map
         assert ix.counters(kv)["nodes"] == 201
 
 

@@ -11,9 +11,7 @@ from .reference import RefTrie
 
 def _sequences(seed: int, n: int) -> list[tuple]:
     rng = random.Random(seed)
-    return [
-        tuple(rng.randrange(3) for _ in range(rng.randrange(1, 12))) for _ in range(n)
-    ]
+    return [tuple(rng.randrange(3) for _ in range(rng.randrange(1, 12))) for _ in range(n)]
 
 
 def test_two_processes_share_one_store(tmp_path):

@@ -22,24 +22,14 @@ def test_fingerprint_is_stable_and_sensitive():
     ):
         assert spec.model_copy(update=change).fingerprint() != spec.fingerprint()
     window = LayerSpec(kind="rotating", window=5)
-    assert (
-        spec.model_copy(update={"layers": [spec.layers[0], window]}).fingerprint()
-        != spec.fingerprint()
-    )
+    assert spec.model_copy(update={"layers": [spec.layers[0], window]}).fingerprint() != spec.fingerprint()
 
 
 def test_whole_state_follows_the_kind():
-    assert [
-        LayerSpec(kind=k).whole_state
-        for k in ("kv", "quantized", "chunked", "batch_kv")
-    ] == [False] * 4
-    assert [
-        LayerSpec(kind=k).whole_state for k in ("rotating", "arrays", "batch_rotating")
-    ] == [True] * 3
+    assert [LayerSpec(kind=k).whole_state for k in ("kv", "quantized", "chunked", "batch_kv")] == [False] * 4
+    assert [LayerSpec(kind=k).whole_state for k in ("rotating", "arrays", "batch_rotating")] == [True] * 3
     assert LayerSpec(kind="rotating", max_size=8).window == 8
-    mamba_list = LayerSpec(
-        kind="cache_list", children=[{"kind": "arrays"}, {"kind": "kv"}]
-    )
+    mamba_list = LayerSpec(kind="cache_list", children=[{"kind": "arrays"}, {"kind": "kv"}])
     assert mamba_list.whole_state
     assert not LayerSpec(kind="cache_list", children=[LayerSpec(kind="kv")]).whole_state
     assert SPECS[2].model_dump()["layers"][0]["whole_state"] is True
@@ -83,7 +73,5 @@ def test_namespaces_never_share_nodes(index, spaces):
     index.insert(salted, [1, 2, 3], full(salted))
     assert prefix_key(kv.key, [1, 2, 3]) != prefix_key(salted.key, [1, 2, 3])
     for ns in (kv, salted):
-        assert all(
-            node.namespace == ns.key for node in index.lookup(ns, [1, 2, 3]).path
-        )
+        assert all(node.namespace == ns.key for node in index.lookup(ns, [1, 2, 3]).path)
     assert index.counters(kv)["nodes"] == index.counters(salted)["nodes"] == 1

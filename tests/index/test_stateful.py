@@ -37,11 +37,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     def record(self, data, i: int) -> tuple[NodeRecord, tuple]:
         ns = self.spaces[i]
-        present = tuple(
-            data.draw(
-                st.lists(st.booleans(), min_size=ns.n_layers, max_size=ns.n_layers)
-            )
-        )
+        present = tuple(data.draw(st.lists(st.booleans(), min_size=ns.n_layers, max_size=ns.n_layers)))
         nbytes = data.draw(st.integers(0, 1000))
         return NodeRecord.blank(ns, present=list(present), nbytes=nbytes), (
             present,
@@ -68,9 +64,7 @@ class IndexMachine(RuleBasedStateMachine):
     )
     def insert_near(self, data, cut, tail):
         """Insert a sequence sharing a prefix with a stored one, to split and extend edges."""
-        i = data.draw(
-            st.sampled_from([j for j, ref in enumerate(self.refs) if ref.nodes])
-        )
+        i = data.draw(st.sampled_from([j for j, ref in enumerate(self.refs) if ref.nodes]))
         prefix = self.some_node(data, i)
         seq = prefix[: max(1, len(prefix) - cut)] + tuple(tail)
         self.insert_seq(data, i, seq)
@@ -84,9 +78,7 @@ class IndexMachine(RuleBasedStateMachine):
         new, new_ref = self.record(data, i)
         upper, upper_ref = self.record(data, i)
         lower, lower_ref = self.record(data, i)
-        result = self.ix.commit_insert(
-            plan, new, (upper, lower) if plan.split else None
-        )
+        result = self.ix.commit_insert(plan, new, (upper, lower) if plan.split else None)
         created = ref.insert(seq, new_ref, upper_ref, lower_ref)
         assert result.created == tuple(self.key(i, p) for p in created)
         assert result.key == self.key(i, seq)
@@ -137,9 +129,7 @@ class IndexMachine(RuleBasedStateMachine):
         inner = sorted(p for p in ref.nodes if not ref.is_leaf(p))
         if inner:
             with pytest.raises(NodeHasChildrenError):
-                self.ix.remove(
-                    self.spaces[i], self.key(i, data.draw(st.sampled_from(inner)))
-                )
+                self.ix.remove(self.spaces[i], self.key(i, data.draw(st.sampled_from(inner))))
 
     def check_lookup(self, i: int, seq: tuple) -> None:
         ns, ref = self.spaces[i], self.refs[i]
@@ -149,16 +139,9 @@ class IndexMachine(RuleBasedStateMachine):
         assert match.restorable == ref.restorable(seq)
         assert not match.corrupt
         if match.path:
-            assert (
-                tuple(int(t) for n in match.path for t in n.tokens)[: match.matched]
-                == seq[: match.matched]
-            )
+            assert tuple(int(t) for n in match.path for t in n.tokens)[: match.matched] == seq[: match.matched]
         d = match.restorable_depth
-        assert (
-            (d == -1)
-            if match.restorable == 0
-            else match.path[d].start < match.restorable <= match.path[d].end
-        )
+        assert (d == -1) if match.restorable == 0 else match.path[d].start < match.restorable <= match.path[d].end
 
     @invariant()
     def same_nodes(self):
@@ -172,10 +155,7 @@ class IndexMachine(RuleBasedStateMachine):
                     (node.start, node.end),
                     tuple(lr.present for lr in node.record.layers),
                 )
-            want = {
-                p: ((len(ref.parent(p)), len(p)), present)
-                for p, (present, _) in ref.nodes.items()
-            }
+            want = {p: ((len(ref.parent(p)), len(p)), present) for p, (present, _) in ref.nodes.items()}
             assert got == want
             counts = self.ix.counters(ns)
             assert counts["nodes"] == len(ref.nodes)
@@ -205,7 +185,5 @@ class IndexMachine(RuleBasedStateMachine):
         return tuple(t for part in reversed(parts) for t in part)
 
 
-IndexMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None
-)
+IndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestIndexMachine = IndexMachine.TestCase

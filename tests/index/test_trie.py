@@ -55,9 +55,7 @@ def test_sequence_ending_inside_an_edge_only_splits(index, spaces):
 def test_whole_state_layers_restore_only_at_checkpointed_ends(index, spaces):
     hybrid = spaces[1]
     index.insert(hybrid, [1, 2, 3, 4, 5, 6], full(hybrid))
-    index.insert(
-        hybrid, [1, 2, 3, 9], full(hybrid), split_records=(branch(hybrid), full(hybrid))
-    )
+    index.insert(hybrid, [1, 2, 3, 9], full(hybrid), split_records=(branch(hybrid), full(hybrid)))
     # The branch point at 3 has no rotating snapshot yet: diverging there restores nothing.
     match = index.lookup(hybrid, [1, 2, 3, 7])
     assert (match.matched, match.restorable, match.restorable_depth) == (3, 0, -1)
@@ -200,9 +198,7 @@ def test_numpy_and_list_tokens_agree(index, spaces):
 
 def test_records_are_decoded_on_demand(index, spaces):
     kv = spaces[0]
-    record = full(kv, 123).model_copy(
-        update={"tier": "cold", "file": "cold/ab.safetensors"}
-    )
+    record = full(kv, 123).model_copy(update={"tier": "cold", "file": "cold/ab.safetensors"})
     index.insert(kv, [5, 6], record)
     node = index.lookup(kv, [5, 6]).path[0]
     assert node.record == record and node.nbytes == 123

@@ -64,7 +64,9 @@ def parse(argv):
 def describe(e: BaseException) -> str:
     """The exception and the innermost promptstore frame that raised it."""
     frames = [f for f in traceback.extract_tb(e.__traceback__) if "promptstore" in f.filename]
-    where = f" at {'/'.join(frames[-1].filename.split('/')[-2:])}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+    where = (
+        f" at {'/'.join(frames[-1].filename.split('/')[-2:])}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+    )
     return f"{type(e).__name__}: {e}{where}"
 
 
@@ -171,8 +173,9 @@ class Worker:
         from promptstore.store.compact import compact
 
         budget = self.rng.choice([None, 1 << 30, self.rng.randint(20_000, 200_000)])
-        report = compact(self.args.store, max_bytes=budget, verify=self.rng.random() < 0.5,
-                         merge=self.rng.random() < 0.7)
+        report = compact(
+            self.args.store, max_bytes=budget, verify=self.rng.random() < 0.5, merge=self.rng.random() < 0.7
+        )
         self.stats["compacts"] += 1
         if report.status == "failed":
             self.errors.append(f"compact: {report.errors}")
@@ -219,8 +222,13 @@ def main(argv=None) -> int:
         worker.close()
     except Exception as e:  # noqa: BLE001
         worker.errors.append(f"close: {type(e).__name__}: {e}")
-    result = {**worker.stats, "errors": worker.errors, "unverified": worker.unverified,
-              "reports": dict(worker.reports), "seconds": round(time.monotonic() - started, 2)}
+    result = {
+        **worker.stats,
+        "errors": worker.errors,
+        "unverified": worker.unverified,
+        "reports": dict(worker.reports),
+        "seconds": round(time.monotonic() - started, 2),
+    }
     print("result " + json.dumps(result), flush=True)
     return 0 if not worker.errors and not worker.unverified else 1
 

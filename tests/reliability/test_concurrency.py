@@ -39,9 +39,21 @@ def run_workers(root: Path, ops: int, procs: int = 4, seed: int = 1, timeout: fl
     """Run `procs` workers at once; returns totals plus each worker's result."""
     started = time.monotonic()
     running = [
-        subprocess.Popen([sys.executable, str(WORKER), str(root), str(seed * 100 + i), str(ops),
-                          "--durability", DURABILITIES[i % len(DURABILITIES)], *extra],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                str(root),
+                str(seed * 100 + i),
+                str(ops),
+                "--durability",
+                DURABILITIES[i % len(DURABILITIES)],
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for i in range(procs)
     ]
     results = []
@@ -49,10 +61,15 @@ def run_workers(root: Path, ops: int, procs: int = 4, seed: int = 1, timeout: fl
         out, err = p.communicate(timeout=timeout)
         line = next((x for x in out.splitlines() if x.startswith("result ")), None)
         if line is None:
-            results.append({"errors": [f"worker exited {p.returncode} without a result: {err[-1500:]}"],
-                            "unverified": [], "reports": {}})
+            results.append(
+                {
+                    "errors": [f"worker exited {p.returncode} without a result: {err[-1500:]}"],
+                    "unverified": [],
+                    "reports": {},
+                }
+            )
         else:
-            results.append(json.loads(line[len("result "):]))
+            results.append(json.loads(line[len("result ") :]))
     totals: Counter = Counter()
     for r in results:
         for k, v in r.items():
@@ -85,7 +102,9 @@ def check_store(root: Path) -> dict:
 
 
 def summary(run: dict, final: dict) -> str:
-    problems = [e for w in run["workers"] for e in w["errors"]][:5] + [u for w in run["workers"] for u in w["unverified"]][:5]
+    problems = [e for w in run["workers"] for e in w["errors"]][:5] + [
+        u for w in run["workers"] for u in w["unverified"]
+    ][:5]
     return f"{run['totals']} final={final} in {run['seconds']} s; first problems: {problems}"
 
 

@@ -94,8 +94,13 @@ GROW_WORKER = textwrap.dedent("""
 
 def run_grower(root, n, seed):
     repo = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run([sys.executable, "-c", GROW_WORKER, str(root), repo, str(n), str(seed)],
-                          check=False, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", GROW_WORKER, str(root), repo, str(n), str(seed)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return int(done.stdout.split()[-1])
 
@@ -207,9 +212,15 @@ def files_on_disk(root) -> set[str]:
     return {p.relative_to(root / "cold").as_posix() for p in (root / "cold" / "files").rglob("*.safetensors")}
 
 
-@pytest.mark.parametrize("durability,hot_bytes", [
-    ("sync", 1 << 30), ("write_through", 1 << 30), ("write_back", 0), ("write_back", 1 << 30),
-])
+@pytest.mark.parametrize(
+    "durability,hot_bytes",
+    [
+        ("sync", 1 << 30),
+        ("write_through", 1 << 30),
+        ("write_back", 0),
+        ("write_back", 1 << 30),
+    ],
+)
 def test_splits_leave_no_orphan_files(tmp_path, durability, hot_bytes):
     """After a clean close, the files on disk are exactly the files the index names.
 

@@ -74,10 +74,14 @@ def damage_children(root, value: bytes) -> None:
         env.close()
 
 
-@pytest.mark.parametrize("value", [
-    b"",
-    b"\x01\x02",
-], ids=["empty", "two bytes"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"",
+        b"\x01\x02",
+    ],
+    ids=["empty", "two bytes"],
+)
 def test_a_damaged_children_entry_is_a_miss(tmp_path, value):
     model = _model("llama")
     tokens = prompt_tokens(30, seed=40)

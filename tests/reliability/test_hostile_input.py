@@ -185,6 +185,7 @@ BAD_CACHES = {
     "rotating layers in a KV namespace": _rotating,
 }
 
+
 @pytest.mark.parametrize("name", list(BAD_CACHES))
 def test_bad_cache_is_a_typed_error_and_stores_nothing(guard, model_of, name, caplog):
     build = BAD_CACHES[name]
@@ -349,8 +350,11 @@ def test_use_after_close_is_a_typed_error(guard, model_of):
     tokens = prompt_tokens(12)
     cache = _model_cache(model, tokens)
     store.close()
-    for call in (lambda: space.fetch(tokens), lambda: space.insert(tokens, cache),
-                 lambda: store.namespace(model, model_id=MODEL_ID)):
+    for call in (
+        lambda: space.fetch(tokens),
+        lambda: space.insert(tokens, cache),
+        lambda: store.namespace(model, model_id=MODEL_ID),
+    ):
         with pytest.raises(IndexStoreError):
             call()
     try:  # a one-token prompt never reaches the index: a miss, or the typed error
@@ -369,9 +373,17 @@ def test_use_after_close_is_a_typed_error(guard, model_of):
 # --- settings and namespace arguments ----------------------------------------------------------
 
 BAD_SETTINGS = [
-    {"map_size": 1}, {"hot_bytes": -1}, {"disk_bytes": -5}, {"durability": "eventually"},
-    {"checkpoint_interval": 0}, {"no_such_setting": 1}, {"hot_bytes": "lots"},
-    {"file_mode": 0o444}, {"file_mode": 0o1777}, {"dir_mode": 0o600}, {"dir_mode": -1},
+    {"map_size": 1},
+    {"hot_bytes": -1},
+    {"disk_bytes": -5},
+    {"durability": "eventually"},
+    {"checkpoint_interval": 0},
+    {"no_such_setting": 1},
+    {"hot_bytes": "lots"},
+    {"file_mode": 0o444},
+    {"file_mode": 0o1777},
+    {"dir_mode": 0o600},
+    {"dir_mode": -1},
 ]
 
 

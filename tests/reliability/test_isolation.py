@@ -145,7 +145,8 @@ def test_attacker_storing_the_same_prompt_gets_its_own_nodes(tmp_path):
         victim = store.namespace(model, model_id=MODEL_ID, salt=VICTIM)
         attacker = store.namespace(model, model_id=MODEL_ID, salt=ATTACKER)
         assert [(n.key, n.start, n.end) for n in store.index.iter_nodes(victim.namespace)] == [
-            (n.key, n.start, n.end) for n in victim_nodes]
+            (n.key, n.start, n.end) for n in victim_nodes
+        ]
         for space in (victim, attacker):
             length, err = continuation_error(space, model, mx.concatenate([TURN, SYSTEM[:2]]))
             assert length == len(TURN) and err < TOL
@@ -162,7 +163,9 @@ def test_same_salt_shares_across_processes(tmp_path):
         assert length == len(TURN) and err < TOL
 
 
-@pytest.mark.parametrize("first,second", [(None, VICTIM), (VICTIM, None)], ids=["unsalted-then-salted", "salted-then-unsalted"])
+@pytest.mark.parametrize(
+    "first,second", [(None, VICTIM), (VICTIM, None)], ids=["unsalted-then-salted", "salted-then-unsalted"]
+)
 def test_salted_and_unsalted_do_not_share(tmp_path, first, second):
     model = _model("llama")
     with PromptStore.open(tmp_path / "store", durability="sync") as store:

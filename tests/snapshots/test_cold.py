@@ -269,8 +269,11 @@ def test_file_is_private(tier):
 def test_every_directory_is_private(tier):
     with umask(0o022):
         put(tier, [driver_snapshot("kv", 0)])
-    modes = {str(p.relative_to(tier.root)): oct(stat.S_IMODE(p.stat().st_mode))
-             for p in [tier.root, *tier.root.rglob("*")] if p.is_dir()}
+    modes = {
+        str(p.relative_to(tier.root)): oct(stat.S_IMODE(p.stat().st_mode))
+        for p in [tier.root, *tier.root.rglob("*")]
+        if p.is_dir()
+    }
     assert all(m == oct(0o700) for m in modes.values()), modes
 
 
@@ -549,12 +552,20 @@ CRAFTED = {
     "JSON string": header_file(b'"{}"'),
     "NaN shape": header_file(b'{"x":{"dtype":"F32","shape":[NaN],"data_offsets":[0,4]}}', bytes(4)),
     "huge int": header_file(b'{"x":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,4]}}', bytes(4)),
-    "overlapping offsets": header_file(table(
-        a={"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-        b={"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}), bytes(24)),
-    "gap between tensors": header_file(table(
-        a={"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-        b={"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}), bytes(24)),
+    "overlapping offsets": header_file(
+        table(
+            a={"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+            b={"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+        ),
+        bytes(24),
+    ),
+    "gap between tensors": header_file(
+        table(
+            a={"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            b={"dtype": "F32", "shape": [2], "data_offsets": [16, 24]},
+        ),
+        bytes(24),
+    ),
     "same offsets twice": header_file(table(a=F32x4, b=F32x4), bytes(16)),
     "offsets past EOF": header_file(table(a={"dtype": "F32", "shape": [256], "data_offsets": [0, 1024]}), bytes(16)),
     "reversed offsets": header_file(table(a={"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}), bytes(16)),
@@ -572,8 +583,9 @@ CRAFTED = {
     "extra field": header_file(table(a={**F32x4, "extra": 1}), bytes(16)),
     "entry not an object": header_file(table(a=[1, 2]), bytes(16)),
     "metadata not an object": header_file(json.dumps({"__metadata__": [1], "a": F32x4}).encode(), bytes(16)),
-    "metadata values not strings": header_file(json.dumps({"__metadata__": {NODE_KEY: {}}, "a": F32x4}).encode(),
-                                               bytes(16)),
+    "metadata values not strings": header_file(
+        json.dumps({"__metadata__": {NODE_KEY: {}}, "a": F32x4}).encode(), bytes(16)
+    ),
     "no metadata": header_file(table(a=F32x4), bytes(16)),
     "path-like tensor name": header_file(table(**{"../../../etc/passwd": F32x4}), bytes(16)),
     "data after tensors": header_file(table(a=F32x4), bytes(32)),
@@ -743,8 +755,7 @@ def test_crafted_huge_state_size_is_refused_promptly(tier):
 # --- random corruption ---------------------------------------------------------------
 
 
-FUZZ_KINDS = ["kv", "kv-bf16", "quantized", "chunked", "rotating-keep", "arrays", "cache_list-kv",
-              "batch_rotating"]
+FUZZ_KINDS = ["kv", "kv-bf16", "quantized", "chunked", "rotating-keep", "arrays", "cache_list-kv", "batch_rotating"]
 
 
 @pytest.fixture
@@ -756,8 +767,14 @@ def fuzz_file(tier):
 
 
 def _fuzz(body, **kw):
-    return settings(max_examples=kw.pop("max_examples", 150), deadline=None, derandomize=True,
-                    suppress_health_check=list(HealthCheck), database=None, **kw)(body)
+    return settings(
+        max_examples=kw.pop("max_examples", 150),
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+        **kw,
+    )(body)
 
 
 def test_fuzz_data_bit_flips_are_always_detected(fuzz_file):
@@ -787,8 +804,12 @@ def test_fuzz_truncation_and_extension_are_always_detected(fuzz_file):
     counts = collections.Counter()
 
     @_fuzz
-    @given(st.one_of(st.integers(0, len(raw) - 1).map(lambda n: raw[:n]),
-                     st.binary(min_size=1, max_size=64).map(lambda tail: raw + tail)))
+    @given(
+        st.one_of(
+            st.integers(0, len(raw) - 1).map(lambda n: raw[:n]),
+            st.binary(min_size=1, max_size=64).map(lambda tail: raw + tail),
+        )
+    )
     def run(bad):
         path.write_bytes(bad)
         got = outcome(tier, rel, snaps)
@@ -815,8 +836,10 @@ def test_fuzz_random_corruption_is_detected_or_harmless(fuzz_file):
 
     @_fuzz
     @example([(keep, 0)], None)
-    @given(st.lists(st.tuples(offset, st.integers(0, 7)), min_size=1, max_size=3),
-           st.one_of(st.none(), st.integers(0, len(raw) - 1)))
+    @given(
+        st.lists(st.tuples(offset, st.integers(0, 7)), min_size=1, max_size=3),
+        st.one_of(st.none(), st.integers(0, len(raw) - 1)),
+    )
     def run(flips, cut):
         bad = bytearray(raw)
         for i, bit in flips:
@@ -845,13 +868,16 @@ def test_two_writes_of_one_node_never_share_a_file(tier):
     assert outcome(tier, first.path, [snap]) == "equal"
 
 
-@pytest.mark.parametrize("rel", [
-    "files/00/00/other-5-21.safetensors",
-    "{own}-5-21-deadbeef/../x.safetensors",
-    "{own}-5-21-notatag.safetensors",
-    "{own}-5-22-deadbeef.safetensors",
-    "{own}-5-21-deadbeef.tmp-1-2.safetensors",
-])
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "files/00/00/other-5-21.safetensors",
+        "{own}-5-21-deadbeef/../x.safetensors",
+        "{own}-5-21-notatag.safetensors",
+        "{own}-5-22-deadbeef.safetensors",
+        "{own}-5-21-deadbeef.tmp-1-2.safetensors",
+    ],
+)
 def test_owns_only_names_write_gives(tier, rel):
     own = tier.relative_path(KEY, 5, 21)[: -len(".safetensors")]
     base = own.rsplit("-", 2)[0]

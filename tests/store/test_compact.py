@@ -43,7 +43,7 @@ def assert_serves(path, model, sequences):
         for tokens in sequences:
             hit = space.fetch(tokens)
             want = forward(model, fresh_cache(model), tokens)
-            got = forward(model, hit.cache, tokens[hit.length:])
+            got = forward(model, hit.cache, tokens[hit.length :])
             assert mx.abs(want - got).max().item() < 1e-4
         assert not store.tiers.reports, list(store.tiers.reports)
 
@@ -120,8 +120,12 @@ def test_command_line_exit_codes_and_json(tmp_path, model_of, seqs):
     build(tmp_path, model, seqs)
     (files(tmp_path)[0].with_name("x.tmp-999999999-ab.safetensors")).write_bytes(b"x")
     env = dict(os.environ, PYTHONPATH=str(TOOL.parents[1]))
-    run = lambda *a: subprocess.run([sys.executable, str(TOOL), "--store", str(tmp_path), *a],
-                                    capture_output=True, text=True, env=env)
+
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, str(TOOL), "--store", str(tmp_path), *a], capture_output=True, text=True, env=env
+        )
+
     dry = run("--dry-run", "--json")
     assert dry.returncode == 1 and json.loads(dry.stdout)["status"] == "repaired"
     assert run().returncode == 1
@@ -133,8 +137,12 @@ def test_compact_runs_while_another_process_uses_the_store(tmp_path, model_of, s
     model = model_of("llama")
     build(tmp_path, model, seqs)
     worker = Path(__file__).with_name("_two_process_worker.py")
-    proc = subprocess.Popen([sys.executable, str(worker), str(tmp_path), "5", "10"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(worker), str(tmp_path), "5", "10"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     reports = []
     while proc.poll() is None:
         reports.append(compact(tmp_path, max_bytes=10**9))

@@ -312,8 +312,9 @@ def test_reinserting_after_a_quarantine_serves_again(stored):
 # recurrent child has no state the upper part None, dropping the KV child's range [start, at)
 # too, so every chain through that node lacked those positions (falcon_h1 "shallow" failed).
 # The upper part now keeps the range children, with None for the recurrent one.
-HEAL_CASES = [(family, which) for family in ["llama", "gemma3_text", "qwen3_next", "falcon_h1"]
-              for which in ["deep", "shallow"]]
+HEAL_CASES = [
+    (family, which) for family in ["llama", "gemma3_text", "qwen3_next", "falcon_h1"] for which in ["deep", "shallow"]
+]
 
 
 @pytest.mark.parametrize("family,which", HEAL_CASES)

@@ -38,7 +38,10 @@ class Writer:
         extra = [] if hot_bytes is None else [str(hot_bytes)]
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER), str(store), durability, str(seed), *extra],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
         )
         self.lines: queue.Queue = queue.Queue()
         self.last = ""
@@ -155,8 +158,10 @@ class Checker:
 def leftovers(root: Path) -> dict:
     """Files a killed writer left: temporary files and quarantined ones."""
     cold = root / "cold"
-    return {"temp_leftovers": sum(1 for _ in (cold / "files").rglob(f"*{TEMP_MARK}*")),
-            "quarantined": sum(1 for _ in (cold / "quarantine").iterdir())}
+    return {
+        "temp_leftovers": sum(1 for _ in (cold / "files").rglob(f"*{TEMP_MARK}*")),
+        "quarantined": sum(1 for _ in (cold / "quarantine").iterdir()),
+    }
 
 
 def run_trials(tmp_path: Path, durability: str, trials: int, delays: tuple[float, float], seed: int):

@@ -4,8 +4,8 @@ token for token, across turns, restarts and forks, for every family."""
 import functools
 
 import mlx.core as mx
-import pytest
 import mlx_lm
+import pytest
 
 import promptstore
 from promptstore.testing.models import tiny_model
@@ -14,11 +14,13 @@ from promptstore.testing.tokenizer import demo_tokenizer
 from ..conftest import forward, fresh_cache, prompt_tokens
 
 FAMILIES = ["llama", "gemma3_text", "qwen3_next", "llama4", "falcon_h1", "baichuan_m1"]
-SYSTEM = "You are a helpful assistant for a small bookshop. You help customers find books and explain the opening hours."
+SYSTEM = (
+    "You are a helpful assistant for a small bookshop. You help customers find books and explain the opening hours."
+)
 TURNS = ["Do you have any books about sailing?", "Is the shop open on Saturday?", "Thank you, please set one aside."]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def chat_model(family):
     return tiny_model(family, vocab_size=512)
 
@@ -70,7 +72,7 @@ def test_forks_are_independent(tmp_path, family):
     with promptstore.PromptStore.open(tmp_path, checkpoint_interval=16, durability="sync") as store:
         space = store.namespace(model, model_id="m")
         hit = space.fetch(tokens[:64])
-        forward(model, hit.cache, tokens[: 64][hit.length :])
+        forward(model, hit.cache, tokens[:64][hit.length :])
         space.insert(tokens[:64], hit.cache)
         a, b = space.fetch(tokens), space.fetch(tokens)
         assert a.length == b.length == 64

@@ -82,7 +82,7 @@ def test_a_prefill_through_the_branch_point_fills_its_checkpoint(tmp_path, famil
     assert report.status != "failed" and set(report.actions) <= {"LMDB space"}, report.actions
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
         space = store.namespace(model, model_id="m")
-        for tokens, seed in ((then(A[:BRANCH], 5), None), (then(A, 6), None), (then(B, 7), None)):
+        for tokens, _seed in ((then(A[:BRANCH], 5), None), (then(A, 6), None), (then(B, 7), None)):
             length, err = served(space, model, tokens)
             assert length == len(tokens) - 3 and err < TOL, (length, err)
         assert list(store.tiers.reports) == []

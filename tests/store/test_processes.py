@@ -14,9 +14,15 @@ WORKER = Path(__file__).with_name("_two_process_worker.py")
 
 
 def test_two_processes_insert_and_fetch_at_once(tmp_path, model_of):
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(seed), "12"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for seed in (1, 2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp_path), str(seed), "12"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (1, 2)
+    ]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]

@@ -24,8 +24,10 @@ def kv_snapshots(n_tokens: int):
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["put", "get", "pin"]), st.integers(0, 9), st.integers(1, 40)), max_size=60),
-       budget=st.integers(0, 40 * 2 * 2 * 32 * 4 * 3))
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["put", "get", "pin"]), st.integers(0, 9), st.integers(1, 40)), max_size=60),
+    budget=st.integers(0, 40 * 2 * 2 * 32 * 4 * 3),
+)
 def test_hot_budget_holds_within_one_entry(ops, budget):
     hot = HotTier(budget)
     largest = 0
@@ -80,7 +82,9 @@ def _files(path):
     return [p for p in (path / "cold" / "files").rglob("*.safetensors") if ".tmp-" not in p.name]
 
 
-@pytest.mark.parametrize("durability,on_disk_before_close", [("sync", True), ("write_through", True), ("write_back", False)])
+@pytest.mark.parametrize(
+    "durability,on_disk_before_close", [("sync", True), ("write_through", True), ("write_back", False)]
+)
 def test_durability_settings(tmp_path, model_of, durability, on_disk_before_close):
     model = model_of("llama")
     store = PromptStore.open(tmp_path, durability=durability)
@@ -150,8 +154,9 @@ def small_disk(tmp_path):
     root = tmp_path / "store"
     (root / "cold").mkdir(parents=True, mode=0o700)
     os.chmod(root, 0o700)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(root / "cold")],
-                          capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(root / "cold")], capture_output=True
+    )
     if done.returncode != 0:
         pytest.skip("cannot mount a small tmpfs here")
     yield root

@@ -69,14 +69,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, blas_info, blas_warning, timed, write_results  # noqa: E402
-
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import cache as mlc  # noqa: E402
 
@@ -126,11 +124,28 @@ class Profile:
 
 PROFILES = {
     "cpu": Profile(
-        name="cpu", layers=2, dtype="float32", vocab=4096, system_tokens=(1024, 1536, 2048),
-        conversations=16, turns=3, user_tokens=32, reply_tokens=4, prefill_step=512,
-        checkpoint_interval=1024, hot_bytes=2 * GiB, fork_system=1536, fork_width=3, fork_retries=2,
-        hybrid_conversations=6, hybrid_turns=2, hybrid_hidden=256, hybrid_window=512,
-        ceiling_samples=24, ceiling_runs=5, workloads=("chat", "restart", "fork", "hybrid"),
+        name="cpu",
+        layers=2,
+        dtype="float32",
+        vocab=4096,
+        system_tokens=(1024, 1536, 2048),
+        conversations=16,
+        turns=3,
+        user_tokens=32,
+        reply_tokens=4,
+        prefill_step=512,
+        checkpoint_interval=1024,
+        hot_bytes=2 * GiB,
+        fork_system=1536,
+        fork_width=3,
+        fork_retries=2,
+        hybrid_conversations=6,
+        hybrid_turns=2,
+        hybrid_hidden=256,
+        hybrid_window=512,
+        ceiling_samples=24,
+        ceiling_runs=5,
+        workloads=("chat", "restart", "fork", "hybrid"),
         note="float32 on CPU (fp16 matmul has no fast CPU kernel) with OpenBLAS; 2 layers of "
         "Llama-3.2-1B's shape (with 1, MLX's lazy evaluation would skip all but the key/value "
         "projections of a prefill); 16 conversations x 3 turns over 3 system prompts of 1k-2k tokens "
@@ -138,19 +153,54 @@ PROFILES = {
         "tokens; hybrids: 6 conversations x 2 turns on models 256 wide",
     ),
     "quick": Profile(
-        name="quick", layers=1, dtype="float32", vocab=1024, system_tokens=(192, 256, 320),
-        conversations=6, turns=2, user_tokens=16, reply_tokens=4, prefill_step=512,
-        checkpoint_interval=64, hot_bytes=2 * GiB, fork_system=256, fork_width=2, fork_retries=1,
-        hybrid_conversations=3, hybrid_turns=2, hybrid_hidden=128, hybrid_window=128,
-        ceiling_samples=6, ceiling_runs=3, workloads=("chat", "restart", "fork", "hybrid"),
+        name="quick",
+        layers=1,
+        dtype="float32",
+        vocab=1024,
+        system_tokens=(192, 256, 320),
+        conversations=6,
+        turns=2,
+        user_tokens=16,
+        reply_tokens=4,
+        prefill_step=512,
+        checkpoint_interval=64,
+        hot_bytes=2 * GiB,
+        fork_system=256,
+        fork_width=2,
+        fork_retries=1,
+        hybrid_conversations=3,
+        hybrid_turns=2,
+        hybrid_hidden=128,
+        hybrid_window=128,
+        ceiling_samples=6,
+        ceiling_runs=3,
+        workloads=("chat", "restart", "fork", "hybrid"),
         note="smoke run: tiny prompts, figures meaningless",
     ),
     "cuda": Profile(
-        name="cuda", layers=16, dtype="float16", vocab=32000, system_tokens=(32768, 32768, 32768),
-        conversations=12, turns=3, user_tokens=64, reply_tokens=16, prefill_step=2048,
-        checkpoint_interval=1024, hot_bytes=24 * GiB, fork_system=32768, fork_width=3, fork_retries=2,
-        hybrid_conversations=6, hybrid_turns=2, hybrid_hidden=1024, hybrid_window=1024,
-        ceiling_samples=6, ceiling_runs=3, workloads=("chat", "restart"), control_step=512,
+        name="cuda",
+        layers=16,
+        dtype="float16",
+        vocab=32000,
+        system_tokens=(32768, 32768, 32768),
+        conversations=12,
+        turns=3,
+        user_tokens=64,
+        reply_tokens=16,
+        prefill_step=2048,
+        checkpoint_interval=1024,
+        hot_bytes=24 * GiB,
+        fork_system=32768,
+        fork_width=3,
+        fork_retries=2,
+        hybrid_conversations=6,
+        hybrid_turns=2,
+        hybrid_hidden=1024,
+        hybrid_window=1024,
+        ceiling_samples=6,
+        ceiling_runs=3,
+        workloads=("chat", "restart"),
+        control_step=512,
         note="float16 on the GPU; all 16 layers of Llama-3.2-1B's shape; 3 system prompts of "
         "32k tokens; 12 conversations x 3 turns, one more turn after the restart; "
         "promptstore hot tier 24 GiB",
@@ -166,7 +216,7 @@ PROFILES = {
 class Request:
     name: str
     conv: str  # the conversation it belongs to (one mlx-lm file per conversation)
-    parent: Optional[str]  # where a fork starts (its parent's file)
+    parent: str | None  # where a fork starts (its parent's file)
     prompt: list[int]
     sys_end: int  # end of the system segment (mlx_lm.server's segmentation)
 
@@ -193,15 +243,24 @@ def _content(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 class ChatScript(Script):
     """Conversations over shared system prompts, turn by turn, interleaved."""
 
-    def __init__(self, profile: Profile, vocab: int, conversations: int, turns: int, name: str = "chat",
-                 first_turn: int = 0, seed: int = 1):
+    def __init__(
+        self,
+        profile: Profile,
+        vocab: int,
+        conversations: int,
+        turns: int,
+        name: str = "chat",
+        first_turn: int = 0,
+        seed: int = 1,
+    ):
         super().__init__(name)
         rng = np.random.default_rng(seed)
         self.systems = [_content(rng, n, vocab) for n in profile.system_tokens]
         self.conversations, self.turns, self.first_turn = conversations, turns, first_turn
         total_turns = first_turn + turns + 1  # messages for the restart turn too
-        self.users = [[_content(rng, profile.user_tokens, vocab) for _ in range(total_turns + 1)]
-                      for _ in range(conversations)]
+        self.users = [
+            [_content(rng, profile.user_tokens, vocab) for _ in range(total_turns + 1)] for _ in range(conversations)
+        ]
 
     def head(self, c: int) -> list[int]:
         return [BOS, SYS] + self.systems[c % len(self.systems)] + [EOT]
@@ -233,7 +292,7 @@ class ForkScript(Script):
         rng = np.random.default_rng(seed)
         self.system = _content(rng, profile.fork_system, vocab)
         self.task = _content(rng, 2 * profile.user_tokens, vocab)
-        nodes: list[tuple[str, Optional[str]]] = [("root", None)]
+        nodes: list[tuple[str, str | None]] = [("root", None)]
         for b in range(profile.fork_width):
             nodes.append((f"b{b}", "root"))
             nodes += [(f"b{b}.r{r}", f"b{b}") for r in range(profile.fork_retries)]
@@ -247,7 +306,7 @@ class ForkScript(Script):
         for name, parent in self.nodes:
             yield lambda replies, name=name, parent=parent: self.request(name, parent, replies)
 
-    def request(self, name: str, parent: Optional[str], replies) -> Request:
+    def request(self, name: str, parent: str | None, replies) -> Request:
         if parent is None:
             prompt = [BOS, SYS] + self.system + [EOT, USER] + self.task + [EOT, ASSISTANT]
         else:
@@ -269,21 +328,48 @@ def build_model(profile: Profile, family: str = "llama"):
     dtype = dtype_of(profile.dtype)
     if family == "llama":
         model = llama_1b_shape(profile.layers, dtype=dtype, vocab_size=profile.vocab)
-        desc = (f"llama, Llama-3.2-1B per-layer shape (hidden 2048, 32 heads, 8 KV heads, head dim 64, "
-                f"MLP 8192), {profile.layers} layer(s), vocab {profile.vocab}, {profile.dtype}")
+        desc = (
+            f"llama, Llama-3.2-1B per-layer shape (hidden 2048, 32 heads, 8 KV heads, head dim 64, "
+            f"MLP 8192), {profile.layers} layer(s), vocab {profile.vocab}, {profile.dtype}"
+        )
     else:
         h = profile.hybrid_hidden
-        common = dict(hidden_size=h, num_attention_heads=8, num_key_value_heads=2, head_dim=h // 8,
-                      intermediate_size=4 * h, vocab_size=profile.vocab, max_position_embeddings=131072)
+        common = dict(
+            hidden_size=h,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=h // 8,
+            intermediate_size=4 * h,
+            vocab_size=profile.vocab,
+            max_position_embeddings=131072,
+        )
         if family == "gemma3_text":
-            model = tiny_model(family, dtype=dtype, **common, num_hidden_layers=6, sliding_window=profile.hybrid_window,
-                               sliding_window_pattern=6, query_pre_attn_scalar=h // 8)
-            desc = (f"gemma3_text layout: 6 layers {h} wide, 5 sliding-window ({profile.hybrid_window}) "
-                    f"+ 1 global, {profile.dtype}")
+            model = tiny_model(
+                family,
+                dtype=dtype,
+                **common,
+                num_hidden_layers=6,
+                sliding_window=profile.hybrid_window,
+                sliding_window_pattern=6,
+                query_pre_attn_scalar=h // 8,
+            )
+            desc = (
+                f"gemma3_text layout: 6 layers {h} wide, 5 sliding-window ({profile.hybrid_window}) "
+                f"+ 1 global, {profile.dtype}"
+            )
         elif family == "qwen3_next":
-            model = tiny_model(family, dtype=dtype, **common, num_hidden_layers=4, full_attention_interval=4,
-                               linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=h // 8,
-                               linear_value_head_dim=h // 8, shared_expert_intermediate_size=4 * h)
+            model = tiny_model(
+                family,
+                dtype=dtype,
+                **common,
+                num_hidden_layers=4,
+                full_attention_interval=4,
+                linear_num_value_heads=8,
+                linear_num_key_heads=4,
+                linear_key_head_dim=h // 8,
+                linear_value_head_dim=h // 8,
+                shared_expert_intermediate_size=4 * h,
+            )
             desc = f"qwen3_next layout: 4 layers {h} wide, 3 gated-delta (recurrent) + 1 attention, {profile.dtype}"
         else:
             raise ValueError(family)
@@ -336,10 +422,10 @@ class Outcome:
     total_s: float = 0.0
     reply: list = field(default_factory=list)
     margins: list = field(default_factory=list)  # top-2 logprob margin at each generated token
-    lp_diff0: Optional[float] = None  # max |logprob - no cache's| over the first token's distribution
-    diverge: Optional[int] = None  # first reply token that differs from no cache's
-    margin_ref: Optional[float] = None  # no cache's top-2 margin there
-    margin_at: Optional[float] = None  # this contender's top-2 margin there
+    lp_diff0: float | None = None  # max |logprob - no cache's| over the first token's distribution
+    diverge: int | None = None  # first reply token that differs from no cache's
+    margin_ref: float | None = None  # no cache's top-2 margin there
+    margin_at: float | None = None  # this contender's top-2 margin there
 
 
 class Engine:
@@ -348,13 +434,18 @@ class Engine:
     def __init__(self, model, profile: Profile):
         self.model, self.profile = model, profile
 
-    def generate(self, cache, tokens: list[int], t0: float, out: "Outcome") -> None:
+    def generate(self, cache, tokens: list[int], t0: float, out: Outcome) -> None:
         """Greedy reply to `tokens` (the prompt past what `cache` holds) into
         `out`: reply, TTFT from `t0`, and (after the first token, untimed
         where it matters) the top-2 logprob margins and the first token's
         logprobs (kept in `last_lp0` to compare with no cache's)."""
-        gen = generate_step(mx.array(tokens), self.model, prompt_cache=cache,
-                            max_tokens=self.profile.reply_tokens, prefill_step_size=self.profile.prefill_step)
+        gen = generate_step(
+            mx.array(tokens),
+            self.model,
+            prompt_cache=cache,
+            max_tokens=self.profile.reply_tokens,
+            prefill_step_size=self.profile.prefill_step,
+        )
         reply, margins, ttft = [], [], None
         for token, logprobs in gen:
             if ttft is None:
@@ -458,7 +549,7 @@ class Files(Contender):
     name = "mlx-lm cache files"
     persistent = True
 
-    def __init__(self, engine, root: Path, held: Optional[dict] = None):
+    def __init__(self, engine, root: Path, held: dict | None = None):
         super().__init__(engine)
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
@@ -467,7 +558,7 @@ class Files(Contender):
     def path(self, conv: str) -> Path:
         return self.root / f"{conv}.safetensors"
 
-    def _source(self, req: Request) -> tuple[Optional[str], int]:
+    def _source(self, req: Request) -> tuple[str | None, int]:
         """The file to start from and how many of its tokens the prompt shares."""
         for conv in (req.conv, req.parent):
             if conv is not None and conv in self.held and self.path(conv).exists():
@@ -520,9 +611,11 @@ class Store(Contender):
         super().__init__(engine)
         self.root, self.model_id, self.cold_only = root, model_id, cold_only
         self.name = "promptstore cold only" if cold_only else "promptstore hot"
-        self.settings = dict(hot_bytes=0 if cold_only else hot_bytes,
-                             checkpoint_interval=engine.profile.checkpoint_interval,
-                             prefill_step=engine.profile.prefill_step)
+        self.settings = dict(
+            hot_bytes=0 if cold_only else hot_bytes,
+            checkpoint_interval=engine.profile.checkpoint_interval,
+            prefill_step=engine.profile.prefill_step,
+        )
         self.store = PromptStore.open(root, **self.settings)
         self.space = self.store.namespace(engine.model, model_id=model_id)
 
@@ -609,12 +702,14 @@ def run_script(script: Script, contenders: list[Contender]) -> dict:
     results: dict[str, list[Outcome]] = {}
     reference = Reference()
     for i, contender in enumerate(contenders):
-        def requests():
+
+        def requests(first=i == 0):
             for build in script.steps():
                 req = build(script.replies)
                 yield req
-                if i == 0:
+                if first:
                     script.replies[req.name] = reference.outs[req.name].reply
+
         results[contender.name] = serve_all(contender, requests(), reference, i == 0, script.name)
     return results
 
@@ -689,12 +784,18 @@ def ceiling_times(nbytes: int, samples: list[dict]) -> tuple[float, float]:
 # summaries
 
 
-def pct(values, q) -> Optional[float]:
+def pct(values, q) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
 
 
-def summarize_contender(name: str, outs: list[Outcome], reference: dict[str, list[int]], nocache_prefilled: int,
-                        samples: list[dict], disk: Optional[int]) -> dict:
+def summarize_contender(
+    name: str,
+    outs: list[Outcome],
+    reference: dict[str, list[int]],
+    nocache_prefilled: int,
+    samples: list[dict],
+    disk: int | None,
+) -> dict:
     hits = [o for o in outs if o.restored]
     # Tokens restored from files: all of them for mlx-lm's files, none for the
     # LRU, what the store read from its cold tier for promptstore.
@@ -707,32 +808,56 @@ def summarize_contender(name: str, outs: list[Outcome], reference: dict[str, lis
     hit_ttft = [o.ttft_s for o in hits]
     mismatched = [o.name for o in outs if o.name in reference and o.reply != reference[o.name]]
     row = {
-        "contender": name, "requests": len(outs), "hits": len(hits), "prompt_tokens": prompt,
-        "restored_tokens": restored, "cold_tokens": sum(o.cold_tokens for o in outs),
+        "contender": name,
+        "requests": len(outs),
+        "hits": len(hits),
+        "prompt_tokens": prompt,
+        "restored_tokens": restored,
+        "cold_tokens": sum(o.cold_tokens for o in outs),
         "disk_restored_tokens": disk_tokens,
         "prefilled_tokens": prefilled,
         "prefill_cut": 1 - prefilled / nocache_prefilled if nocache_prefilled else None,
-        "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95),
-        "hit_ttft_p50_s": pct(hit_ttft, 50), "hit_ttft_p95_s": pct(hit_ttft, 95),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p95_s": pct(ttft, 95),
+        "hit_ttft_p50_s": pct(hit_ttft, 50),
+        "hit_ttft_p95_s": pct(hit_ttft, 95),
         "disk_bytes": disk,
-        "replies_equal": not mismatched, "replies_mismatched": mismatched,
+        "replies_equal": not mismatched,
+        "replies_mismatched": mismatched,
         "max_first_token_logprob_diff": max((o.lp_diff0 for o in outs if o.lp_diff0 is not None), default=None),
-        "mismatch_detail": [{"request": o.name, "token": o.diverge, "margin_no_cache": o.margin_ref,
-                             "margin_here": o.margin_at, "restored": o.restored}
-                            for o in outs if o.diverge is not None],
+        "mismatch_detail": [
+            {
+                "request": o.name,
+                "token": o.diverge,
+                "margin_no_cache": o.margin_ref,
+                "margin_here": o.margin_at,
+                "restored": o.restored,
+            }
+            for o in outs
+            if o.diverge is not None
+        ],
     }
     if hits and samples:
         rb = sum(o.restored_bytes for o in hits)
         rs = sum(o.restore_s for o in hits)
         floors = [ceiling_times(o.restored_bytes, samples) for o in hits]
         fs, ls = sum(f for f, _ in floors), sum(lo for _, lo in floors)
-        row.update({
-            "restored_bytes": rb, "restore_s": rs, "restore_gbps": rb / rs / 1e9 if rs else None,
-            "restore_vs_floor": rs / fs if fs else None, "restore_vs_load": rs / ls if ls else None,
-            # each hit's TTFT against the same hit with its restore done at the ceiling
-            "hit_ttft_vs_floor_p50": pct([o.ttft_s / (o.ttft_s - o.restore_s + f) for o, (f, _) in zip(hits, floors)], 50),
-            "hit_ttft_vs_load_p50": pct([o.ttft_s / (o.ttft_s - o.restore_s + lo) for o, (_, lo) in zip(hits, floors)], 50),
-        })
+        row.update(
+            {
+                "restored_bytes": rb,
+                "restore_s": rs,
+                "restore_gbps": rb / rs / 1e9 if rs else None,
+                "restore_vs_floor": rs / fs if fs else None,
+                "restore_vs_load": rs / ls if ls else None,
+                # each hit's TTFT against the same hit with its restore done at the ceiling
+                "hit_ttft_vs_floor_p50": pct(
+                    [o.ttft_s / (o.ttft_s - o.restore_s + f) for o, (f, _) in zip(hits, floors)], 50
+                ),
+                "hit_ttft_vs_load_p50": pct(
+                    [o.ttft_s / (o.ttft_s - o.restore_s + lo) for o, (_, lo) in zip(hits, floors)], 50
+                ),
+            }
+        )
     return row
 
 
@@ -746,22 +871,48 @@ def ceiling_rows(outs: list[Outcome], samples: list[dict]) -> list[dict]:
     for label, idx in (("ceiling: one mx.concatenate (one-copy floor)", 0), ("ceiling: mx.load of one file", 1)):
         times = [ceiling_times(o.restored_bytes, samples)[idx] for o in hits]
         derived = [o.ttft_s - o.restore_s + t for o, t in zip(hits, times)]
-        rows.append({"contender": label, "ceiling": True, "requests": len(hits), "hits": len(hits),
-                     "restored_bytes": rb, "restore_s": sum(times), "restore_gbps": rb / sum(times) / 1e9,
-                     "hit_ttft_p50_s": pct(derived, 50), "hit_ttft_p95_s": pct(derived, 95)})
+        rows.append(
+            {
+                "contender": label,
+                "ceiling": True,
+                "requests": len(hits),
+                "hits": len(hits),
+                "restored_bytes": rb,
+                "restore_s": sum(times),
+                "restore_gbps": rb / sum(times) / 1e9,
+                "hit_ttft_p50_s": pct(derived, 50),
+                "hit_ttft_p95_s": pct(derived, 95),
+            }
+        )
     return rows
 
 
-def summarize_workload(name: str, desc: str, results: dict[str, list[Outcome]], reference: dict, samples: list[dict],
-                       disks: dict[str, Optional[int]], wall: float, extra: Optional[dict] = None) -> dict:
+def summarize_workload(
+    name: str,
+    desc: str,
+    results: dict[str, list[Outcome]],
+    reference: dict,
+    samples: list[dict],
+    disks: dict[str, int | None],
+    wall: float,
+    extra: dict | None = None,
+) -> dict:
     base = results["no cache"]
     nocache_prefilled = sum(o.prompt_tokens for o in base)
-    rows = [summarize_contender(n, outs, reference, nocache_prefilled, samples, disks.get(n))
-            for n, outs in results.items()]
+    rows = [
+        summarize_contender(n, outs, reference, nocache_prefilled, samples, disks.get(n)) for n, outs in results.items()
+    ]
     hot = results.get("promptstore hot") or results.get("promptstore (restarted)")
     rows += ceiling_rows(hot or [], samples)
-    return {"workload": name, "model": desc, "rows": rows, "ceiling_samples": samples, "wall_s": wall,
-            "outcomes": {n: [asdict(o) for o in outs] for n, outs in results.items()}, **(extra or {})}
+    return {
+        "workload": name,
+        "model": desc,
+        "rows": rows,
+        "ceiling_samples": samples,
+        "wall_s": wall,
+        "outcomes": {n: [asdict(o) for o in outs] for n, outs in results.items()},
+        **(extra or {}),
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -786,8 +937,9 @@ def contenders_for(engine: Engine, model_id: str, root: Path, profile: Profile) 
     ]
 
 
-def run_chat_like(script: Script, engine: Engine, model_id: str, desc: str, root: Path, profile: Profile,
-                  keep_open: bool = False):
+def run_chat_like(
+    script: Script, engine: Engine, model_id: str, desc: str, root: Path, profile: Profile, keep_open: bool = False
+):
     started = time.perf_counter()
     contenders = contenders_for(engine, model_id, root, profile)
     results = run_script(script, contenders)
@@ -805,8 +957,9 @@ def finish_workload(name, desc, contenders, results, reference, root, profile, s
     return summarize_workload(name, desc, results, reference, samples, disks, time.perf_counter() - started, extra)
 
 
-def run_restart(profile: Profile, chat: ChatScript, contenders: list[Contender], root: Path,
-                model_id: str, desc: str) -> dict:
+def run_restart(
+    profile: Profile, chat: ChatScript, contenders: list[Contender], root: Path, model_id: str, desc: str
+) -> dict:
     """Resume the chat for one more turn in a fresh process, on what the stores
     left on disk. Before closing, probe what an uninterrupted process would
     restore for those requests; the fresh process probes again first."""
@@ -815,14 +968,19 @@ def run_restart(profile: Profile, chat: ChatScript, contenders: list[Contender],
     resumed.systems, resumed.users = chat.systems, chat.users
     requests = [build(chat.replies) for build in resumed.steps()]
     by_name = {c.name: c for c in contenders}
-    before = {name: sum(by_name[name].probe(r) for r in requests)
-              for name in ("mlx-lm LRUPromptCache", "mlx-lm cache files", "promptstore hot")}
+    before = {
+        name: sum(by_name[name].probe(r) for r in requests)
+        for name in ("mlx-lm LRUPromptCache", "mlx-lm cache files", "promptstore hot")
+    }
     files, hot = by_name["mlx-lm cache files"], by_name["promptstore hot"]
     state = {
-        "profile": profile.name, "model_id": model_id,
+        "profile": profile.name,
+        "model_id": model_id,
         "requests": [asdict(r) for r in requests],
-        "files_dir": str(files.root), "files_held": files.held,
-        "store_dir": str(hot.root), "store_settings": hot.settings,
+        "files_dir": str(files.root),
+        "files_held": files.held,
+        "store_dir": str(hot.root),
+        "store_settings": hot.settings,
     }
     state_path = root / "restart-state.json"
     state_path.write_text(json.dumps(state))
@@ -857,28 +1015,59 @@ def restart_phase(state_path: Path, result_path: Path, profile: Profile) -> None
     for i, c in enumerate(contenders):
         results[c.name] = serve_all(c, requests, reference, i == 0, "restart (fresh process)")
     store.close()
-    result_path.write_text(json.dumps({
-        "after": after,
-        "results": {n: [asdict(o) for o in outs] for n, outs in results.items()},
-        "disks": {c.name: c.disk_bytes() for c in contenders},
-    }))
+    result_path.write_text(
+        json.dumps(
+            {
+                "after": after,
+                "results": {n: [asdict(o) for o in outs] for n, outs in results.items()},
+                "disks": {c.name: c.disk_bytes() for c in contenders},
+            }
+        )
+    )
 
 
 def finish_restart(state_path, result_path, before, started, profile, root, desc) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--profile", profile.name,
-           "--phase", "restart", "--state", str(state_path), "--result", str(result_path)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--profile",
+        profile.name,
+        "--phase",
+        "restart",
+        "--state",
+        str(state_path),
+        "--result",
+        str(result_path),
+    ]
     log("  restart: starting a fresh process")
     subprocess.run(cmd, check=True)
     got = json.loads(result_path.read_text())
     results = {n: [Outcome(**o) for o in outs] for n, outs in got["results"].items()}
     reference = {o.name: o.reply for o in results["no cache"]}
-    names = {"mlx-lm LRUPromptCache": "mlx-lm LRUPromptCache (restarted: empty)",
-             "mlx-lm cache files": "mlx-lm cache files", "promptstore hot": "promptstore (restarted)"}
-    survived = {names[k]: {"restorable_before": before[k], "restorable_after": got["after"][k],
-                           "kept": got["after"][k] / before[k] if before[k] else None} for k in before}
+    names = {
+        "mlx-lm LRUPromptCache": "mlx-lm LRUPromptCache (restarted: empty)",
+        "mlx-lm cache files": "mlx-lm cache files",
+        "promptstore hot": "promptstore (restarted)",
+    }
+    survived = {
+        names[k]: {
+            "restorable_before": before[k],
+            "restorable_after": got["after"][k],
+            "kept": got["after"][k] / before[k] if before[k] else None,
+        }
+        for k in before
+    }
     samples = ceilings_for(results, profile, root)
-    summary = summarize_workload("restart", desc, results, reference, samples, got["disks"],
-                                 time.perf_counter() - started, {"survived": survived})
+    summary = summarize_workload(
+        "restart",
+        desc,
+        results,
+        reference,
+        samples,
+        got["disks"],
+        time.perf_counter() - started,
+        {"survived": survived},
+    )
     for row in summary["rows"]:
         if row["contender"] in survived:
             row["kept_after_restart"] = survived[row["contender"]]["kept"]
@@ -898,7 +1087,7 @@ GOALS = [
 ]
 
 
-def _row(summary: dict, name: str) -> Optional[dict]:
+def _row(summary: dict, name: str) -> dict | None:
     return next((r for r in summary["rows"] if r["contender"] == name), None)
 
 
@@ -906,16 +1095,29 @@ def goals(workloads: dict[str, dict]) -> list[dict]:
     out = []
 
     def add(goal, workload, value, ok, shown, detail=""):
-        out.append({"goal": goal, "workload": workload, "value": value, "met": bool(ok) if value is not None else False,
-                    "shown": shown, "detail": detail})
+        out.append(
+            {
+                "goal": goal,
+                "workload": workload,
+                "value": value,
+                "met": bool(ok) if value is not None else False,
+                "shown": shown,
+                "detail": detail,
+            }
+        )
 
     for wname, s in workloads.items():
         if wname == "restart":
             kept = s["survived"]["promptstore (restarted)"]["kept"]
-            add(GOALS[4][0], wname, kept, kept is not None and kept >= 0.95,
+            add(
+                GOALS[4][0],
+                wname,
+                kept,
+                kept is not None and kept >= 0.95,
                 "n/a" if kept is None else f"{kept:.1%}",
                 f"LRU keeps {s['survived']['mlx-lm LRUPromptCache (restarted: empty)']['kept'] or 0:.0%}, "
-                f"files {s['survived']['mlx-lm cache files']['kept'] or 0:.0%}")
+                f"files {s['survived']['mlx-lm cache files']['kept'] or 0:.0%}",
+            )
             continue
         hot, cold, files = _row(s, "promptstore hot"), _row(s, "promptstore cold only"), _row(s, "mlx-lm cache files")
         if hot is None:
@@ -923,20 +1125,38 @@ def goals(workloads: dict[str, dict]) -> list[dict]:
         cut = hot["prefill_cut"]
         add(GOALS[0][0], wname, cut, cut is not None and cut >= 0.90, f"{cut:.1%}")
         r = hot.get("hit_ttft_vs_floor_p50")
-        add(GOALS[1][0], wname, r, r is not None and r <= 2.0, "n/a" if r is None else f"{r:.2f}x",
-            f"restore alone: {hot['restore_vs_floor']:.2f}x the floor" if hot.get("restore_vs_floor") else "")
+        add(
+            GOALS[1][0],
+            wname,
+            r,
+            r is not None and r <= 2.0,
+            "n/a" if r is None else f"{r:.2f}x",
+            f"restore alone: {hot['restore_vs_floor']:.2f}x the floor" if hot.get("restore_vs_floor") else "",
+        )
         if cold is not None:
             r = cold.get("hit_ttft_vs_load_p50")
-            add(GOALS[2][0], wname, r, r is not None and r <= 1.25, "n/a" if r is None else f"{r:.2f}x",
-                f"restore alone: {cold['restore_vs_load']:.2f}x mx.load" if cold.get("restore_vs_load") else "")
+            add(
+                GOALS[2][0],
+                wname,
+                r,
+                r is not None and r <= 1.25,
+                "n/a" if r is None else f"{r:.2f}x",
+                f"restore alone: {cold['restore_vs_load']:.2f}x mx.load" if cold.get("restore_vs_load") else "",
+            )
         if files is not None and files["disk_bytes"]:
             r = hot["disk_bytes"] / files["disk_bytes"]
-            add(GOALS[3][0], wname, r, r <= 0.3, f"{r:.2f}x",
-                f"{_bytes(hot['disk_bytes'])} vs {_bytes(files['disk_bytes'])}")
+            add(
+                GOALS[3][0],
+                wname,
+                r,
+                r <= 0.3,
+                f"{r:.2f}x",
+                f"{_bytes(hot['disk_bytes'])} vs {_bytes(files['disk_bytes'])}",
+            )
     return out
 
 
-def _bytes(n: Optional[int]) -> str:
+def _bytes(n: int | None) -> str:
     if n is None:
         return "-"
     for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -945,21 +1165,25 @@ def _bytes(n: Optional[int]) -> str:
     return f"{n} B"
 
 
-def _ms(s: Optional[float]) -> str:
+def _ms(s: float | None) -> str:
     if s is None:
         return "-"
     return f"{s * 1e3:.0f} ms" if s >= 0.1 else f"{s * 1e3:.1f} ms"
 
 
 def workload_table(s: dict) -> str:
-    head = ("| contender | prefilled tokens | cut | TTFT p50 | TTFT p95 | hit TTFT p50 | hit TTFT p95 | disk "
-            "| restore GB/s | restore ÷ floor | restore ÷ mx.load | restored from disk | replies = no cache "
-            "| max Δ logprob, 1st token |")
+    head = (
+        "| contender | prefilled tokens | cut | TTFT p50 | TTFT p95 | hit TTFT p50 | hit TTFT p95 | disk "
+        "| restore GB/s | restore ÷ floor | restore ÷ mx.load | restored from disk | replies = no cache "
+        "| max Δ logprob, 1st token |"
+    )
     lines = [head, "|" + "---|" * 14]
     for r in s["rows"]:
         if r.get("ceiling"):
-            lines.append(f"| *{r['contender']}* | | | | | {_ms(r['hit_ttft_p50_s'])}† | {_ms(r['hit_ttft_p95_s'])}† "
-                         f"| | {r['restore_gbps']:.2f} | | | | | |")
+            lines.append(
+                f"| *{r['contender']}* | | | | | {_ms(r['hit_ttft_p50_s'])}† | {_ms(r['hit_ttft_p95_s'])}† "
+                f"| | {r['restore_gbps']:.2f} | | | | | |"
+            )
             continue
         cut = "" if r["contender"].startswith("no cache") or r["prefill_cut"] is None else f"{r['prefill_cut']:.1%}"
         gbps = f"{r['restore_gbps']:.2f}" if r.get("restore_gbps") else "-"
@@ -971,23 +1195,27 @@ def workload_table(s: dict) -> str:
         if r.get("kept_after_restart") is not None or "restarted" in name:
             kept = r.get("kept_after_restart")
             name += f" (kept {kept:.0%})" if kept is not None else ""
-        lines.append(f"| {name} | {r['prefilled_tokens']:,} of {r['prompt_tokens']:,} | {cut} "
-                     f"| {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p95_s'])} | {_ms(r['hit_ttft_p50_s'])} "
-                     f"| {_ms(r['hit_ttft_p95_s'])} | {_bytes(r['disk_bytes']) if r['disk_bytes'] is not None else '-'} "
-                     f"| {gbps} | {vf} | {vl} | {disk_share} | {eq} | {_sci(r.get('max_first_token_logprob_diff'))} |")
+        lines.append(
+            f"| {name} | {r['prefilled_tokens']:,} of {r['prompt_tokens']:,} | {cut} "
+            f"| {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p95_s'])} | {_ms(r['hit_ttft_p50_s'])} "
+            f"| {_ms(r['hit_ttft_p95_s'])} | {_bytes(r['disk_bytes']) if r['disk_bytes'] is not None else '-'} "
+            f"| {gbps} | {vf} | {vl} | {disk_share} | {eq} | {_sci(r.get('max_first_token_logprob_diff'))} |"
+        )
     details = []
     for r in s["rows"]:
         for m in r.get("mismatch_detail", []):
-            details.append(f"{r['contender']}: {m['request']} (restored {m['restored']:,}) differs from token "
-                           f"{m['token']} on, where the top-2 logprob margin was {m['margin_no_cache']:.4f} "
-                           f"without a cache and {m['margin_here']:.4f} here")
+            details.append(
+                f"{r['contender']}: {m['request']} (restored {m['restored']:,}) differs from token "
+                f"{m['token']} on, where the top-2 logprob margin was {m['margin_no_cache']:.4f} "
+                f"without a cache and {m['margin_here']:.4f} here"
+            )
     if details:
         lines.append("\nReplies that differ from no cache's:\n")
         lines += [f"- {d}" for d in details]
     return "\n".join(lines)
 
 
-def _sci(x: Optional[float]) -> str:
+def _sci(x: float | None) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
@@ -995,8 +1223,10 @@ def goals_table(gs: list[dict]) -> str:
     targets = dict(GOALS)
     lines = ["| goal | workload | measured | target | verdict | detail |", "|---|---|---|---|---|---|"]
     for g in gs:
-        lines.append(f"| {g['goal']} | {g['workload']} | {g['shown']} | {targets[g['goal']]} "
-                     f"| {'met' if g['met'] else '**MISSED**'} | {g['detail']} |")
+        lines.append(
+            f"| {g['goal']} | {g['workload']} | {g['shown']} | {targets[g['goal']]} "
+            f"| {'met' if g['met'] else '**MISSED**'} | {g['detail']} |"
+        )
     return "\n".join(lines)
 
 
@@ -1014,9 +1244,11 @@ def report(doc: dict) -> str:
     blas = "not used (GPU)" if "gpu" in m["mlx_device"] else doc["blas"]["name"]
     gpu = f"; GPU: {doc['gpu']}" if doc.get("gpu") else ""
     partial = " **Partial: the run stopped before every workload was done.**" if doc.get("partial") else ""
-    parts = [f"Run {doc['date']} on {m['platform']} ({m['cpu_count']} CPUs{gpu}; MLX {m['mlx']} on {m['mlx_device']}; "
-             f"mlx-lm {m['mlx_lm']}; BLAS: {blas}).{partial} Profile `{doc['profile']['name']}`: "
-             f"{doc['profile']['note']}. Whole run: {doc['wall_s'] / 60:.1f} min."]
+    parts = [
+        f"Run {doc['date']} on {m['platform']} ({m['cpu_count']} CPUs{gpu}; MLX {m['mlx']} on {m['mlx_device']}; "
+        f"mlx-lm {m['mlx_lm']}; BLAS: {blas}).{partial} Profile `{doc['profile']['name']}`: "
+        f"{doc['profile']['note']}. Whole run: {doc['wall_s'] / 60:.1f} min."
+    ]
     for name, s in doc["workloads"].items():
         parts.append(f"\n#### {TITLES.get(name, name)}\n\n{s['model']}; {s['requests_note']}.\n\n{workload_table(s)}")
     parts.append(f"\n#### Goals\n\n{goals_table(doc['goals'])}")
@@ -1056,9 +1288,14 @@ How to read the tables:
 
 
 def markdown_doc(docs: dict[str, dict]) -> str:
-    parts = ["# Benchmarks: promptstore against what you have", "",
-             "Generated by `tools/bench/bench_anchors.py` (`make bench-anchors`); do not edit by hand.",
-             "Each section is one run, on one machine, with every contender side by side.", "", NOTES]
+    parts = [
+        "# Benchmarks: promptstore against what you have",
+        "",
+        "Generated by `tools/bench/bench_anchors.py` (`make bench-anchors`); do not edit by hand.",
+        "Each section is one run, on one machine, with every contender side by side.",
+        "",
+        NOTES,
+    ]
     for label, doc in docs.items():
         parts.append(f"\n## {label}\n")
         parts.append(report(doc))
@@ -1070,20 +1307,25 @@ def save_split(out_path: Path, payload: dict, blas: dict) -> Path:
     outcome to `<name>.requests.json` beside it (compact: it is large)."""
     workloads = {n: {k: v for k, v in w.items() if k != "outcomes"} for n, w in payload["workloads"].items()}
     requests = {n: w["outcomes"] for n, w in payload["workloads"].items() if "outcomes" in w}
-    path = write_results(out_path, dict(payload, workloads=workloads,
-                                        requests_file=out_path.with_suffix(".requests.json").name), blas)
+    path = write_results(
+        out_path, dict(payload, workloads=workloads, requests_file=out_path.with_suffix(".requests.json").name), blas
+    )
     if requests:
         path.with_suffix(".requests.json").write_text(json.dumps(requests, separators=(",", ":")) + "\n")
     return path
 
 
-def gpu_name() -> Optional[str]:
+def gpu_name() -> str | None:
     """The GPU's name where MLX runs on one (nvidia-smi), else None."""
     if mx.default_device() != mx.gpu:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout.strip()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
         return out.splitlines()[0] if out else str(mx.device_info().get("device_name", "gpu"))
     except (OSError, subprocess.SubprocessError):
         return str(mx.device_info().get("device_name", "gpu"))
@@ -1105,8 +1347,9 @@ def sanitize_blas(info: dict) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", choices=sorted(PROFILES), default=None,
-                    help="cpu (default on CPU), cuda (default on a GPU), quick")
+    ap.add_argument(
+        "--profile", choices=sorted(PROFILES), default=None, help="cpu (default on CPU), cuda (default on a GPU), quick"
+    )
     ap.add_argument("--quick", action="store_true", help="same as --profile quick")
     ap.add_argument("--workloads", default=None, help="comma-separated subset of chat,restart,fork,hybrid")
     ap.add_argument("--out", default=None, help="result JSON (default bench-results/anchors-<profile>.json)")
@@ -1149,6 +1392,7 @@ def main(argv=None) -> int:
             "gpu": gpu_name(),
         }
         return save_split(out_path, payload, sanitize_blas(blas))
+
     with tempfile.TemporaryDirectory(prefix="anchors-") as tmp:
         tmp = Path(tmp)
         log(f"profile {profile.name}: building the llama model")
@@ -1160,7 +1404,9 @@ def main(argv=None) -> int:
             log("chat")
             chat = ChatScript(profile, profile.vocab, profile.conversations, profile.turns)
             root = tmp / "chat"
-            contenders, results, reference, t0 = run_chat_like(chat, engine, model_id, desc, root, profile, keep_open=True)
+            contenders, results, reference, t0 = run_chat_like(
+                chat, engine, model_id, desc, root, profile, keep_open=True
+            )
             restart = None
             if "restart" in profile.workloads:
                 restart = run_restart(profile, chat, contenders, tmp / "chat", model_id, desc)
@@ -1168,7 +1414,8 @@ def main(argv=None) -> int:
             workloads["chat"]["requests_note"] = (
                 f"{profile.conversations} conversations x {profile.turns} turns over {len(profile.system_tokens)} "
                 f"system prompts of {', '.join(map(str, profile.system_tokens))} tokens, user messages of "
-                f"{profile.user_tokens} tokens, replies of {profile.reply_tokens}")
+                f"{profile.user_tokens} tokens, replies of {profile.reply_tokens}"
+            )
             save(partial=True)
             if restart is not None:
                 log("restart")
@@ -1176,7 +1423,8 @@ def main(argv=None) -> int:
                 workloads["restart"]["requests_note"] = (
                     f"turn {profile.turns + 1} of each of the {profile.conversations} conversations, in a new "
                     "process after every store was closed; 'kept': tokens restorable for these requests right "
-                    "after the restart over those restorable just before it")
+                    "after the restart over those restorable just before it"
+                )
             if "chat" not in profile.workloads:
                 workloads.pop("chat")
             save(partial=True)
@@ -1188,7 +1436,8 @@ def main(argv=None) -> int:
             workloads["fork"]["requests_note"] = (
                 f"a root request on a {profile.fork_system}-token system prompt, {profile.fork_width} branches "
                 f"off it and {profile.fork_retries} retries off each (depth first), then back to the root and to "
-                f"the first branch: {len(fork.nodes)} requests")
+                f"the first branch: {len(fork.nodes)} requests"
+            )
             save(partial=True)
 
         del engine, model
@@ -1198,12 +1447,19 @@ def main(argv=None) -> int:
                 hmodel, hid, hdesc = build_model(profile, family)
                 hengine = Engine(hmodel, profile)
                 warm_up(hengine)
-                script = ChatScript(profile, profile.vocab, profile.hybrid_conversations, profile.hybrid_turns,
-                                    name=f"hybrid-{family}", seed=3)
+                script = ChatScript(
+                    profile,
+                    profile.vocab,
+                    profile.hybrid_conversations,
+                    profile.hybrid_turns,
+                    name=f"hybrid-{family}",
+                    seed=3,
+                )
                 s = run_chat_like(script, hengine, hid, hdesc, tmp / family, profile)
                 s["requests_note"] = (
                     f"{profile.hybrid_conversations} conversations x {profile.hybrid_turns} turns over the same "
-                    f"system prompts; promptstore checkpoint_interval {profile.checkpoint_interval}")
+                    f"system prompts; promptstore checkpoint_interval {profile.checkpoint_interval}"
+                )
                 workloads[f"hybrid-{family}"] = s
                 del hengine, hmodel
                 save(partial=True)
@@ -1221,14 +1477,21 @@ def main(argv=None) -> int:
         print(f"wrote {png.relative_to(REPO_ROOT) if png.is_relative_to(REPO_ROOT) else png}")
     except ImportError as e:
         print(f"no PNG: {e} (add matplotlib to draw bench-results/anchors-*.png)")
-    if profile.name in ("cpu", "cuda") and not args.no_docs and out_path == REPO_ROOT / "bench-results" / f"anchors-{profile.name}.json":
+    if (
+        profile.name in ("cpu", "cuda")
+        and not args.no_docs
+        and out_path == REPO_ROOT / "bench-results" / f"anchors-{profile.name}.json"
+    ):
         write_docs()
     return 0
 
 
 def write_docs() -> int:
     docs = {}
-    for label, fname in (("CPU (MLX CPU backend)", "anchors-cpu.json"), ("NVIDIA GPU (MLX CUDA backend)", "anchors-cuda.json")):
+    for label, fname in (
+        ("CPU (MLX CPU backend)", "anchors-cpu.json"),
+        ("NVIDIA GPU (MLX CUDA backend)", "anchors-cuda.json"),
+    ):
         p = REPO_ROOT / "bench-results" / fname
         if p.exists():
             docs[f"{label}: `bench-results/{fname}`"] = json.loads(p.read_text())

@@ -37,8 +37,10 @@ def conversation(path: Path, model, turns: int, turn_tokens: int) -> mx.array:
             for c in cache:
                 key, k1, k2 = mx.random.split(key, 3)
                 shape = (1, 8, turn_tokens, 64)
-                c.update_and_fetch(mx.random.normal(shape, key=k1).astype(mx.float16),
-                                   mx.random.normal(shape, key=k2).astype(mx.float16))
+                c.update_and_fetch(
+                    mx.random.normal(shape, key=k1).astype(mx.float16),
+                    mx.random.normal(shape, key=k2).astype(mx.float16),
+                )
             space.insert(tokens[: t * turn_tokens], cache)
     return tokens
 
@@ -92,23 +94,37 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     figures = {
-        "chat": {"turns": args.turns, "turn_tokens": args.turn_tokens, "bytes": merged.before["bytes"],
-                 "compact_s": merged.seconds, "compact_s_per_gb": merged.seconds / gb,
-                 "fetch_before": before, "fetch_after": after, "actions": merged.actions},
-        "many": {"nodes": big.before["nodes"], "compact_s": big.seconds,
-                 "compact_s_per_10k_nodes": big.seconds / big.before["nodes"] * 10_000,
-                 "note": f"measured on {big.before['nodes']} nodes and scaled linearly to 10,000",
-                 "actions": big.actions},
+        "chat": {
+            "turns": args.turns,
+            "turn_tokens": args.turn_tokens,
+            "bytes": merged.before["bytes"],
+            "compact_s": merged.seconds,
+            "compact_s_per_gb": merged.seconds / gb,
+            "fetch_before": before,
+            "fetch_after": after,
+            "actions": merged.actions,
+        },
+        "many": {
+            "nodes": big.before["nodes"],
+            "compact_s": big.seconds,
+            "compact_s_per_10k_nodes": big.seconds / big.before["nodes"] * 10_000,
+            "note": f"measured on {big.before['nodes']} nodes and scaled linearly to 10,000",
+            "actions": big.actions,
+        },
     }
     c = figures["chat"]
     print(f"{args.turns}-turn conversation: {c['bytes'] / 2**20:.0f} MiB in {before['nodes']} nodes")
     print(f"  compact --verify (merging the chain): {c['compact_s']:.2f} s = {c['compact_s_per_gb']:.2f} s/GB")
-    print(f"  fetch with no hot tier: before {before['median_s'] * 1e3:.1f} ms ({before['nodes']} files), "
-          f"after {after['median_s'] * 1e3:.1f} ms ({after['nodes']} files); "
-          f"restored {after['length']} tokens both times")
+    print(
+        f"  fetch with no hot tier: before {before['median_s'] * 1e3:.1f} ms ({before['nodes']} files), "
+        f"after {after['median_s'] * 1e3:.1f} ms ({after['nodes']} files); "
+        f"restored {after['length']} tokens both times"
+    )
     m = figures["many"]
-    print(f"many small nodes: {m['nodes']} nodes, compact --verify {m['compact_s']:.2f} s "
-          f"= {m['compact_s_per_10k_nodes']:.1f} s per 10,000 nodes ({m['note']})")
+    print(
+        f"many small nodes: {m['nodes']} nodes, compact --verify {m['compact_s']:.2f} s "
+        f"= {m['compact_s_per_10k_nodes']:.1f} s per 10,000 nodes ({m['note']})"
+    )
     out = write_results(args.out, {"benchmark": "compact", "settings": vars(args), **figures}, blas_info())
     print(f"wrote {out}")
     return 0

@@ -30,29 +30,19 @@ VOCAB = 1 << 17
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--out", default="bench-results/index.json", help="JSON results path"
-    )
+    p.add_argument("--out", default="bench-results/index.json", help="JSON results path")
     p.add_argument("--sizes", default="1000,10000,100000", help="store sizes in nodes")
     p.add_argument("--lookups", type=int, default=2000, help="timed lookups per size")
-    p.add_argument(
-        "--layers", type=int, default=32, help="layers per namespace (1 in 4 rotating)"
-    )
-    p.add_argument(
-        "--batch", type=int, default=2000, help="inserts per write txn while filling"
-    )
-    p.add_argument(
-        "--dir", default=None, help="where to build the store (default: a temp dir)"
-    )
+    p.add_argument("--layers", type=int, default=32, help="layers per namespace (1 in 4 rotating)")
+    p.add_argument("--batch", type=int, default=2000, help="inserts per write txn while filling")
+    p.add_argument("--dir", default=None, help="where to build the store (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
 
 def spec(model_id: str, n_layers: int) -> NamespaceSpec:
     layers = [
-        LayerSpec(kind="rotating", window=4096)
-        if i % 4 == 3
-        else LayerSpec(kind="kv", dtype="bfloat16")
+        LayerSpec(kind="rotating", window=4096) if i % 4 == 3 else LayerSpec(kind="kv", dtype="bfloat16")
         for i in range(n_layers)
     ]
     return NamespaceSpec(model_id=model_id, layers=layers)
@@ -88,9 +78,7 @@ def fill_item(spaces, prompt: np.ndarray, rng) -> tuple:
     tail = rng.integers(0, VOCAB, size=int(rng.integers(64, 257)), dtype=np.uint32)
     if roll < 0.2:
         at = EDGE_TOKENS * int(rng.integers(1, PROMPT_TOKENS // EDGE_TOKENS))
-        tail[0] = (
-            prompt[at] + 1 + tail[0] % (VOCAB - 1)
-        ) % VOCAB  # diverge right at a node end
+        tail[0] = (prompt[at] + 1 + tail[0] % (VOCAB - 1)) % VOCAB  # diverge right at a node end
         return spaces[0], np.concatenate([prompt[:at], tail])
     if roll < 0.7:
         while tail[0] == prompt[0]:
@@ -161,10 +149,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         "sizes": [],
     }
     with Index.open(root / "index") as ix:
-        spaces = [
-            ix.register_namespace(spec(f"bench-model-{i}", args.layers))
-            for i in range(4)
-        ]
+        spaces = [ix.register_namespace(spec(f"bench-model-{i}", args.layers)) for i in range(4)]
         results["chain_insert"] = store_chain(ix, spaces[0], prompt, rng)
         for size in (int(s) for s in args.sizes.split(",")):
             filled = fill(ix, spaces, prompt, size, args.batch, rng)
@@ -200,11 +185,7 @@ def print_row(row: dict) -> None:
 
 def main() -> None:
     args = parse_args()
-    root = (
-        Path(args.dir)
-        if args.dir
-        else Path(tempfile.mkdtemp(prefix="promptstore-bench-"))
-    )
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="promptstore-bench-"))
     print_header()
     try:
         results = run(args, root)
@@ -212,9 +193,7 @@ def main() -> None:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     chain = results["chain_insert"]
-    print(
-        f"single inserts (plan+commit, one durable txn each): {chain['nodes_per_s']:.0f} nodes/s"
-    )
+    print(f"single inserts (plan+commit, one durable txn each): {chain['nodes_per_s']:.0f} nodes/s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -54,10 +54,15 @@ from promptstore.caches import (
 )
 from promptstore.testing import llama_1b_shape
 
-FULL = {"tokens": 4096, "runs": 20, "warmup": 3, "prefill_runs": 3, "prefill_steps": "2048,512",
-        "fp16_prefill_tokens": 64}
-QUICK = {"tokens": 512, "runs": 3, "warmup": 1, "prefill_runs": 1, "prefill_steps": "512",
-         "fp16_prefill_tokens": 16}
+FULL = {
+    "tokens": 4096,
+    "runs": 20,
+    "warmup": 3,
+    "prefill_runs": 3,
+    "prefill_steps": "2048,512",
+    "fp16_prefill_tokens": 64,
+}
+QUICK = {"tokens": 512, "runs": 3, "warmup": 1, "prefill_runs": 1, "prefill_steps": "512", "fp16_prefill_tokens": 16}
 SPANS = 4  # the prefix is snapshotted in four consecutive spans while it fills
 FILL_CHUNK = 512  # positions per update_and_fetch while filling
 
@@ -70,16 +75,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--runs", type=int, help=f"timed runs per copy operation (default {FULL['runs']})")
     p.add_argument("--warmup", type=int, help=f"untimed runs first (default {FULL['warmup']})")
     p.add_argument("--prefill-runs", type=int, help=f"timed prefills per step size (default {FULL['prefill_runs']})")
-    p.add_argument("--prefill-steps", help=f"comma-separated prefill chunk sizes (default {FULL['prefill_steps']}; "
-                   "mlx-lm's generate_step uses 2048)")
-    p.add_argument("--fp16-prefill-tokens", type=int,
-                   help=f"tokens of float16 forward to extrapolate from; 0 skips (default {FULL['fp16_prefill_tokens']})")
+    p.add_argument(
+        "--prefill-steps",
+        help=f"comma-separated prefill chunk sizes (default {FULL['prefill_steps']}; mlx-lm's generate_step uses 2048)",
+    )
+    p.add_argument(
+        "--fp16-prefill-tokens",
+        type=int,
+        help=f"tokens of float16 forward to extrapolate from; 0 skips (default {FULL['fp16_prefill_tokens']})",
+    )
     p.add_argument("--skip-prefill", action="store_true", help="no prefill baselines")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
-    p.add_argument("--cache-limit-mib", type=int,
-                   help="set MLX's buffer-cache limit first (default: leave MLX's own); a limit below "
-                        "the state's size makes every fresh output fault its pages in again")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke test: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
+    )
+    p.add_argument(
+        "--cache-limit-mib",
+        type=int,
+        help="set MLX's buffer-cache limit first (default: leave MLX's own); a limit below "
+        "the state's size makes every fresh output fault its pages in again",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     for k, v in (QUICK if args.quick else FULL).items():
@@ -114,8 +128,9 @@ def fill(model, tokens: int, seed: int):
         for c in caches:
             key, k1, k2 = mx.random.split(key, 3)
             shape = (1, heads, chunk, dim)
-            c.update_and_fetch(mx.random.normal(shape, key=k1).astype(mx.float16),
-                               mx.random.normal(shape, key=k2).astype(mx.float16))
+            c.update_and_fetch(
+                mx.random.normal(shape, key=k1).astype(mx.float16), mx.random.normal(shape, key=k2).astype(mx.float16)
+            )
         sync(buffers(caches))
         end = off + chunk
         if end % span == 0:
@@ -175,6 +190,7 @@ def copy_benchmarks(model, args) -> tuple[dict, dict]:
         def run(c):
             assert restore_prompt_cache(c, snaps, tokens)
             return buffers(c)
+
         return run
 
     def split():
@@ -182,8 +198,11 @@ def copy_benchmarks(model, args) -> tuple[dict, dict]:
         return arrays(uppers + lowers)
 
     def floor():
-        return [mx.concatenate([sp[i].arrays[n] for sp in spans], axis=2)
-                for i in range(len(caches)) for n in ("keys", "values")]
+        return [
+            mx.concatenate([sp[i].arrays[n] for sp in spans], axis=2)
+            for i in range(len(caches))
+            for n in ("keys", "values")
+        ]
 
     ops = {
         "snapshot": {"fn": lambda: arrays(snapshot_prompt_cache(caches, 0))},
@@ -207,9 +226,14 @@ def copy_benchmarks(model, args) -> tuple[dict, dict]:
     floor_s = results["floor"]["median_s"]
     for r in results.values():
         r["x_floor"] = r["median_s"] / floor_s
-    shape = {"layers": len(caches), "kv_shape": list(full[0].arrays["keys"].shape),
-             "dtype": str(full[0].arrays["keys"].dtype).split(".")[-1], "state_bytes": state_bytes,
-             "span_tokens": tokens // SPANS, "fill_chunk": math.gcd(FILL_CHUNK, tokens // SPANS)}
+    shape = {
+        "layers": len(caches),
+        "kv_shape": list(full[0].arrays["keys"].shape),
+        "dtype": str(full[0].arrays["keys"].dtype).split(".")[-1],
+        "state_bytes": state_bytes,
+        "span_tokens": tokens // SPANS,
+        "fill_chunk": math.gcd(FILL_CHUNK, tokens // SPANS),
+    }
     return results, shape
 
 
@@ -243,7 +267,7 @@ def prefill_benchmarks(args) -> dict:
             "measured": r,
             "extrapolated_s": r["median_s"] / n * args.tokens,
             "method": f"EXTRAPOLATED linearly from one {n}-token forward to {args.tokens} tokens; "
-                      "a lower bound (attention's cost grows with context and is not scaled up)",
+            "a lower bound (attention's cost grows with context and is not scaled up)",
         }
         print(f"  prefill float16, {n} tokens: {r['median_s']:.2f} s", flush=True)
     return out
@@ -267,35 +291,49 @@ def print_table(copies: dict, prefill: dict | None, shape: dict, args, fair: boo
         "flat_copy": "ref: flat copy (mx.array)",
     }
     mib = shape["state_bytes"] / 2**20
-    print(f"\n{args.tokens} tokens, {shape['layers']} layers, keys+values {shape['kv_shape']} "
-          f"{shape['dtype']}: {mib:.1f} MiB of cache state; {args.runs} runs after {args.warmup} warm-up")
+    print(
+        f"\n{args.tokens} tokens, {shape['layers']} layers, keys+values {shape['kv_shape']} "
+        f"{shape['dtype']}: {mib:.1f} MiB of cache state; {args.runs} runs after {args.warmup} warm-up"
+    )
     print(f"{'operation':<30} {'median ms':>9} {'p95 ms':>9} {'GB/s':>7} {'x floor':>8} {'faults':>7}")
     for name, label in labels.items():
         r = copies[name]
-        print(f"{label:<30} {ms(r['median_s'])} {ms(r['p95_s'])} {r['gb_per_s']:7.2f} {r['x_floor']:8.2f} "
-              f"{r.get('minor_faults_median', 0):7.0f}")
-    print("(GB/s: state bytes / median; faults: median minor page faults per run, "
-          f"{shape['state_bytes'] // 4096} = the state's size in 4 KiB pages)")
-    ratios = {f"{k}/floor": copies[k]["x_floor"] for k in ("snapshot", "split", "merge_restore", "merge_chain_restore", "chain_restore")}
+        print(
+            f"{label:<30} {ms(r['median_s'])} {ms(r['p95_s'])} {r['gb_per_s']:7.2f} {r['x_floor']:8.2f} "
+            f"{r.get('minor_faults_median', 0):7.0f}"
+        )
+    print(
+        "(GB/s: state bytes / median; faults: median minor page faults per run, "
+        f"{shape['state_bytes'] // 4096} = the state's size in 4 KiB pages)"
+    )
+    ratios = {
+        f"{k}/floor": copies[k]["x_floor"]
+        for k in ("snapshot", "split", "merge_restore", "merge_chain_restore", "chain_restore")
+    }
     if prefill:
         print(f"\n{'prefill (forward of the prefix)':<38} {'median s':>9} {'p95 s':>8} {'tok/s':>8} {'runs':>5}")
         best = None
         for step, r in prefill["float32"].items():
-            print(f"{'float32, chunks of ' + step:<38} {r['median_s']:9.2f} {r['p95_s']:8.2f} "
-                  f"{r['tokens_per_s']:8.1f} {r['runs']:5d}")
+            print(
+                f"{'float32, chunks of ' + step:<38} {r['median_s']:9.2f} {r['p95_s']:8.2f} "
+                f"{r['tokens_per_s']:8.1f} {r['runs']:5d}"
+            )
             if best is None or r["median_s"] < prefill["float32"][best]["median_s"]:
                 best = step
         f16 = prefill["float16"]
         if f16:
-            print(f"{'float16 EXTRAPOLATED from ' + str(f16['measured_tokens']) + ' tok':<38} "
-                  f"{f16['extrapolated_s']:9.2f} {'-':>8} {args.tokens / f16['extrapolated_s']:8.1f} {1:5d}")
+            print(
+                f"{'float16 EXTRAPOLATED from ' + str(f16['measured_tokens']) + ' tok':<38} "
+                f"{f16['extrapolated_s']:9.2f} {'-':>8} {args.tokens / f16['extrapolated_s']:8.1f} {1:5d}"
+            )
         if best is not None:
             prefill["baseline"] = f"float32, chunks of {best} (the fastest measured)"
             base = prefill["float32"][best]["median_s"]
             ratios["prefill/chain_restore"] = base / copies["chain_restore"]["median_s"]
             if f16:
                 ratios["prefill_fp16_extrapolated/chain_restore"] = (
-                    f16["extrapolated_s"] / copies["chain_restore"]["median_s"])
+                    f16["extrapolated_s"] / copies["chain_restore"]["median_s"]
+                )
     print("\nratios (medians):")
     for k, v in ratios.items():
         print(f"  {k:<42} {v:10.2f}")
@@ -310,8 +348,10 @@ def main() -> None:
     args = parse_args()
     started = time.perf_counter()
     blas = blas_info()
-    print(f"BLAS: {blas['name']} (cblas_sgemm resolves to {blas.get('cblas_sgemm_from') or 'no global symbol'}; "
-          f"mapped: {', '.join(Path(p).name for p in blas['libraries']) or 'none'})")
+    print(
+        f"BLAS: {blas['name']} (cblas_sgemm resolves to {blas.get('cblas_sgemm_from') or 'no global symbol'}; "
+        f"mapped: {', '.join(Path(p).name for p in blas['libraries']) or 'none'})"
+    )
     warning = blas_warning(blas)
     if warning and not args.skip_prefill:
         print(warning, flush=True)
@@ -332,17 +372,35 @@ def main() -> None:
     if warning and not args.skip_prefill:
         print(warning)
     elapsed = time.perf_counter() - started
-    settings = {k: getattr(args, k) for k in ("tokens", "layers", "runs", "warmup", "prefill_runs",
-                                               "prefill_steps", "fp16_prefill_tokens", "skip_prefill",
-                                               "quick", "seed", "cache_limit_mib")}
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "tokens",
+            "layers",
+            "runs",
+            "warmup",
+            "prefill_runs",
+            "prefill_steps",
+            "fp16_prefill_tokens",
+            "skip_prefill",
+            "quick",
+            "seed",
+            "cache_limit_mib",
+        )
+    }
     settings["mlx_cache_limit_bytes"] = cache_limit()
     payload = {
         "benchmark": "snapshots",
-        "settings": {**settings, **shape, "spans": SPANS, "model": "llama_1b_shape",
-                     "gb_per_s": "state_bytes / median seconds / 1e9 (bytes of cache state produced; "
-                                 "memory traffic is about twice that: read + write)",
-                     "prefill_method": "model(chunk, cache) per chunk, then mx.eval of every cache's state, "
-                                       "as mlx-lm's generate_step (logits never evaluated)"},
+        "settings": {
+            **settings,
+            **shape,
+            "spans": SPANS,
+            "model": "llama_1b_shape",
+            "gb_per_s": "state_bytes / median seconds / 1e9 (bytes of cache state produced; "
+            "memory traffic is about twice that: read + write)",
+            "prefill_method": "model(chunk, cache) per chunk, then mx.eval of every cache's state, "
+            "as mlx-lm's generate_step (logits never evaluated)",
+        },
         "prefill_fair": bool(blas["openblas"]) if blas["openblas"] is not None else None,
         "copies": copies,
         "prefill": prefill,

@@ -27,8 +27,10 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import blas_info, blas_warning, summarize, sync, write_results  # noqa: E402
 
-from promptstore import PromptStore  # noqa: E402
-from promptstore import demo  # noqa: E402
+from promptstore import (
+    PromptStore,  # noqa: E402
+    demo,  # noqa: E402
+)
 from promptstore.caches import make_prompt_cache  # noqa: E402
 from promptstore.testing.models import llama_1b_shape  # noqa: E402
 
@@ -47,7 +49,9 @@ def workload(store_dir: Path) -> dict:
         fresh = demo.serve(model, tokenizer, store.namespace(model, model_id=model_id), rounds)
     with PromptStore.open(store_dir, checkpoint_interval=256, hot_bytes=0) as store:
         cold = demo.serve(model, tokenizer, store.namespace(model, model_id=model_id), rounds)
-    same = all(a.reply == b.reply for a, b in zip(plain, fresh)) and all(a.reply == b.reply for a, b in zip(plain, cold))
+    same = all(a.reply == b.reply for a, b in zip(plain, fresh)) and all(
+        a.reply == b.reply for a, b in zip(plain, cold)
+    )
     groups = {
         "no store": [o.ttft for o in plain],
         "miss": [o.ttft for o in fresh + cold if o.restored_hot + o.restored_cold == 0],
@@ -55,7 +59,9 @@ def workload(store_dir: Path) -> dict:
         "cold hit": [o.ttft for o in cold if o.restored_cold > 0],
     }
     prompt = sum(o.prompt_tokens for o in plain)
-    saved = {name: sum(o.restored_hot + o.restored_cold for o in run) for name, run in (("fresh", fresh), ("restart", cold))}
+    saved = {
+        name: sum(o.restored_hot + o.restored_cold for o in run) for name, run in (("fresh", fresh), ("restart", cold))
+    }
     return {
         "requests": len(plain),
         "prompt_tokens": prompt,
@@ -77,15 +83,20 @@ def restore_overhead(store_dir: Path, tokens: int, layers: int, runs: int) -> di
             for c in cache:
                 key, k1, k2 = mx.random.split(key, 3)
                 shape = (1, 8, tokens // 4, 64)
-                c.update_and_fetch(mx.random.normal(shape, key=k1).astype(mx.float16),
-                                   mx.random.normal(shape, key=k2).astype(mx.float16))
+                c.update_and_fetch(
+                    mx.random.normal(shape, key=k1).astype(mx.float16),
+                    mx.random.normal(shape, key=k2).astype(mx.float16),
+                )
             space.insert(toks[:end], cache)
         nodes = list(store.index.iter_nodes(space.namespace))
-        pieces = [[s.arrays[n] for s in store.tiers.get(node) for n in ("keys", "values")] for node in
-                  sorted(nodes, key=lambda n: n.start)]
+        pieces = [
+            [s.arrays[n] for s in store.tiers.get(node) for n in ("keys", "values")]
+            for node in sorted(nodes, key=lambda n: n.start)
+        ]
         per_array = list(zip(*pieces))  # each layer's keys (or values) across the four nodes
         mx.clear_cache()  # start from an empty buffer cache: what is in it decides who faults
         fetch_s, floor_s = [], []
+
         def fetch():
             hit = space.fetch(toks)
             assert hit.length == tokens
@@ -105,8 +116,14 @@ def restore_overhead(store_dir: Path, tokens: int, layers: int, runs: int) -> di
                 if i >= 3:
                     samples.append(time.perf_counter() - t0)
     f, fl = summarize(fetch_s), summarize(floor_s)
-    return {"tokens": tokens, "layers": layers, "nodes": 4, "fetch": f, "floor": fl,
-            "fetch_over_floor": f["median_s"] / fl["median_s"]}
+    return {
+        "tokens": tokens,
+        "layers": layers,
+        "nodes": 4,
+        "fetch": f,
+        "floor": fl,
+        "fetch_over_floor": f["median_s"] / fl["median_s"],
+    }
 
 
 def main(argv=None) -> int:
@@ -115,9 +132,13 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--skip-workload", action="store_true")
-    parser.add_argument("--cache-limit-mib", type=int, default=None,
-                        help="MLX buffer-cache limit (default: MLX's); with a small one, whichever side "
-                             "allocates after the other frees pays fresh page faults")
+    parser.add_argument(
+        "--cache-limit-mib",
+        type=int,
+        default=None,
+        help="MLX buffer-cache limit (default: MLX's); with a small one, whichever side "
+        "allocates after the other frees pays fresh page faults",
+    )
     parser.add_argument("--out", default="bench-results/store.json")
     args = parser.parse_args(argv)
     if args.cache_limit_mib is not None:
@@ -130,18 +151,23 @@ def main(argv=None) -> int:
         work = None if args.skip_workload else workload(Path(tmp) / "demo")
         over = restore_overhead(Path(tmp) / "overhead", args.tokens, args.layers, args.runs)
     if work:
-        print(f"workload: {work['requests']} requests, {work['prompt_tokens']} prompt tokens; replies equal: {work['replies_equal']}")
+        print(
+            f"workload: {work['requests']} requests, {work['prompt_tokens']} prompt tokens; replies equal: {work['replies_equal']}"
+        )
         for k, v in work["prefill_saved_fraction"].items():
             print(f"  prefill tokens saved ({k}): {v:.1%}")
         print(f"  {'TTFT':12} {'n':>4} {'p50 ms':>9} {'p95 ms':>9}")
         for k, v in work["ttft"].items():
             if v["n"]:
                 print(f"  {k:12} {v['n']:4d} {v['p50_s'] * 1e3:9.1f} {v['p95_s'] * 1e3:9.1f}")
-    print(f"restore overhead ({over['tokens']} tokens in {over['nodes']} nodes, {over['layers']} layers, float16): "
-          f"fetch {over['fetch']['median_s'] * 1e3:.2f} ms vs one concatenate {over['floor']['median_s'] * 1e3:.2f} ms "
-          f"= {over['fetch_over_floor']:.2f}x (goal <= 2x)")
-    out = write_results(args.out, {"benchmark": "store", "settings": vars(args), "workload": work,
-                                   "restore_overhead": over}, blas)
+    print(
+        f"restore overhead ({over['tokens']} tokens in {over['nodes']} nodes, {over['layers']} layers, float16): "
+        f"fetch {over['fetch']['median_s'] * 1e3:.2f} ms vs one concatenate {over['floor']['median_s'] * 1e3:.2f} ms "
+        f"= {over['fetch_over_floor']:.2f}x (goal <= 2x)"
+    )
+    out = write_results(
+        args.out, {"benchmark": "store", "settings": vars(args), "workload": work, "restore_overhead": over}, blas
+    )
     print(f"wrote {out}")
     return 0
 

@@ -32,8 +32,9 @@ KEY, NAMESPACE = b"\x11" * 16, b"\x22" * 16
 
 def snapshots(tokens: int, layers: int):
     """Per-layer snapshots of `tokens` random float16 positions, Llama-3.2-1B KV shape."""
-    args = model_args("llama", num_hidden_layers=layers, num_key_value_heads=8, head_dim=64,
-                      hidden_size=2048, num_attention_heads=32)
+    args = model_args(
+        "llama", num_hidden_layers=layers, num_key_value_heads=8, head_dim=64, hidden_size=2048, num_attention_heads=32
+    )
 
     class Shell:
         pass
@@ -45,8 +46,9 @@ def snapshots(tokens: int, layers: int):
     for c in caches:
         key, k1, k2 = mx.random.split(key, 3)
         shape = (1, 8, tokens, 64)
-        c.update_and_fetch(mx.random.normal(shape, key=k1).astype(mx.float16),
-                           mx.random.normal(shape, key=k2).astype(mx.float16))
+        c.update_and_fetch(
+            mx.random.normal(shape, key=k1).astype(mx.float16), mx.random.normal(shape, key=k2).astype(mx.float16)
+        )
     snaps = snapshot_prompt_cache(caches, 0)
     sync([a for s in snaps for a in s.all_arrays()])
     return snaps
@@ -120,8 +122,11 @@ def main(argv=None) -> int:
         ref = cold.write(KEY, NAMESPACE, 0, args.tokens, snaps)
 
         def cold_load():
-            return [a for s in cold.load(ref.path, key=KEY, namespace=NAMESPACE, start=0, end=args.tokens)
-                    for a in s.all_arrays()]
+            return [
+                a
+                for s in cold.load(ref.path, key=KEY, namespace=NAMESPACE, start=0, end=args.tokens)
+                for a in s.all_arrays()
+            ]
 
         def mx_load():
             return list(mx.load(plain).values())
@@ -156,18 +161,25 @@ def main(argv=None) -> int:
         "cold_load / mx.load (goal <= 1.25)": med["cold load + verify (promptstore)"] / med["mx.load"],
         "cold_write / save_safetensors+fsync": med["cold write (promptstore)"] / med["mx.save_safetensors + fsync"],
         "cold_write / save_safetensors": med["cold write (promptstore)"] / med["mx.save_safetensors"],
-        "checksum share of cold load": med["checksums (hashing threads, as load and write)"] / med["cold load + verify (promptstore)"],
-        "checksum share of cold write": med["checksums (hashing threads, as load and write)"] / med["cold write (promptstore)"],
+        "checksum share of cold load": med["checksums (hashing threads, as load and write)"]
+        / med["cold load + verify (promptstore)"],
+        "checksum share of cold write": med["checksums (hashing threads, as load and write)"]
+        / med["cold write (promptstore)"],
         "checksums / mx.load": med["checksums (hashing threads, as load and write)"] / med["mx.load"],
     }
-    print(f"{args.tokens} tokens x {args.layers} layers, float16 KV: {nbytes / 2**20:.1f} MiB per file; {args.runs} runs")
+    print(
+        f"{args.tokens} tokens x {args.layers} layers, float16 KV: {nbytes / 2**20:.1f} MiB per file; {args.runs} runs"
+    )
     print(f"{'operation':48} {'median ms':>10} {'p95 ms':>9} {'GB/s':>7}")
     for name, r in rows.items():
         print(f"{name:48} {r['median_s'] * 1e3:10.2f} {r['p95_s'] * 1e3:9.2f} {nbytes / r['median_s'] / 1e9:7.2f}")
     for name, value in ratios.items():
         print(f"  {name:44} {value:6.2f}")
-    out = write_results(args.out, {"benchmark": "tiers", "settings": vars(args), "bytes": nbytes,
-                                   "rows": rows, "ratios": ratios}, blas_info())
+    out = write_results(
+        args.out,
+        {"benchmark": "tiers", "settings": vars(args), "bytes": nbytes, "rows": rows, "ratios": ratios},
+        blas_info(),
+    )
     print(f"wrote {out}")
     return 0
 

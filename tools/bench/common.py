@@ -105,8 +105,12 @@ def _provider(symbol: str) -> str | None:
     import ctypes
 
     class DlInfo(ctypes.Structure):
-        _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p),
-                    ("sname", ctypes.c_char_p), ("saddr", ctypes.c_void_p)]
+        _fields_ = [
+            ("fname", ctypes.c_char_p),
+            ("fbase", ctypes.c_void_p),
+            ("sname", ctypes.c_char_p),
+            ("saddr", ctypes.c_void_p),
+        ]
 
     try:
         libc = ctypes.CDLL(None)

@@ -62,15 +62,21 @@ def plot(path: str | Path) -> Path:
 
         ax = axes[2][j]
         restore = [r for r in rows if r.get("restore_gbps")] + ceilings
-        ax.bar(range(len(restore)), [r["restore_gbps"] for r in restore],
-               color=["tab:green" if not r.get("ceiling") else "tab:orange" for r in restore])
+        ax.bar(
+            range(len(restore)),
+            [r["restore_gbps"] for r in restore],
+            color=["tab:green" if not r.get("ceiling") else "tab:orange" for r in restore],
+        )
         ax.set_yscale("log")
         ax.set_ylabel("restore GB/s (orange: ceilings)")
         ax.set_xticks(range(len(restore)), [SHORT.get(r["contender"], r["contender"]) for r in restore], fontsize=7)
 
     m = doc["machine"]
-    fig.suptitle(f"promptstore anchors, profile {doc['profile']['name']}: {doc['date']}, "
-                 f"MLX {m['mlx']} on {m['mlx_device']}, {m['cpu_count']} CPUs", fontsize=10)
+    fig.suptitle(
+        f"promptstore anchors, profile {doc['profile']['name']}: {doc['date']}, "
+        f"MLX {m['mlx']} on {m['mlx_device']}, {m['cpu_count']} CPUs",
+        fontsize=10,
+    )
     fig.tight_layout()
     out = path.with_suffix(".png")
     fig.savefig(out, dpi=110)
