@@ -32,8 +32,8 @@ def _generate(args) -> int:
     messages.append({"role": "user", "content": args.prompt})
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     with PromptStore.open(args.store) as store:
-        space = store.namespace(model, model_id=args.model_id or args.model)
-        for response in stream_generate(model, tokenizer, prompt, store=space, max_tokens=args.max_tokens):
+        space = store.bind(model, model_id=args.model_id or args.model)
+        for response in stream_generate(model, tokenizer, prompt, space=space, max_tokens=args.max_tokens):
             print(response.text, end="", flush=True)
         hit = space.last_hit
         print(

@@ -138,7 +138,7 @@ def serve(model, tokenizer, space, rounds, progress: Progress | None = None, lab
                     model, tokenizer, tokens, max_tokens=REPLY_TOKENS, prompt_cache=make_prompt_cache(model)
                 )
             else:
-                stream = stream_generate(model, tokenizer, tokens, store=space, max_tokens=REPLY_TOKENS)
+                stream = stream_generate(model, tokenizer, tokens, space=space, max_tokens=REPLY_TOKENS)
             reply, text, ttft = [], "", None
             for r in stream:
                 ttft = ttft if ttft is not None else time.perf_counter() - start
@@ -175,7 +175,7 @@ def run_phase(phase: str, store_dir: str | None, model_path: str | None, progres
     if phase == "none":
         return serve(model, tokenizer, None, rounds, progress, "without a store")
     with PromptStore.open(store_dir, checkpoint_interval=256) as store:
-        space = store.namespace(model, model_id=model_id)
+        space = store.bind(model, model_id=model_id)
         return serve(model, tokenizer, space, rounds, progress, f"{phase} store")
 
 

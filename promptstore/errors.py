@@ -110,6 +110,10 @@ class ReadOnlyIndexError(IndexStoreError):
     """A write to an index opened read-only."""
 
 
+class StoreDirectoryError(PromptStoreError):
+    """The store directory is unsafe or unusable (a symlink, another owner's, not a directory)."""
+
+
 class SettingsError(PromptStoreError, ValueError):
     """A setting (argument or PROMPTSTORE_* variable), or a namespace's model_id or
     salt, that is not a valid value."""

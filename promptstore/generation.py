@@ -40,18 +40,19 @@ def prefill(model: nn.Module, cache: list, tokens: list[int], start: int, end: i
 
 
 def stream_generate(
-    model: nn.Module, tokenizer, prompt: Prompt, *, store: Space, checkpoints: Sequence[int] = (), **kwargs: Any
+    model: nn.Module, tokenizer, prompt: Prompt, *, space: Space, checkpoints: Sequence[int] = (), **kwargs: Any
 ) -> Generator:
     """mlx_lm.stream_generate with a prompt-cache store: same arguments and
-    responses (prompt_tokens counts the whole prompt), plus `store` and
+    responses (prompt_tokens counts the whole prompt), plus `space` (the
+    store's namespace of this model, from `PromptStore.bind`) and
     `checkpoints` (token positions later prompts will share, such as the end of
     the system prompt: see Space.fetch)."""
     if "prompt_cache" in kwargs:
-        raise TypeError("pass store=, not prompt_cache=: the store provides the cache")
+        raise TypeError("pass space=, not prompt_cache=: the store provides the cache")
     tokens = encode(tokenizer, prompt)
-    hit = store.fetch(tokens, checkpoints)
+    hit = space.fetch(tokens, checkpoints)
     cache, position = hit.cache, hit.length
-    step = store.store.settings.prefill_step
+    step = space.settings.prefill_step
     # Checkpoints, then the whole prompt but its last token: stored before
     # generation, while every layer still holds it (a chunked layer drops old
     # positions as it decodes).
@@ -60,7 +61,7 @@ def stream_generate(
             continue
         started = time.perf_counter()
         prefill(model, cache, tokens, position, point, step)
-        store.insert(tokens[:point], cache, prefill_seconds=time.perf_counter() - started)
+        space.insert(tokens[:point], cache, prefill_seconds=time.perf_counter() - started)
         position = point
     produced: list[int] = []
     for response in mlx_stream_generate(model, tokenizer, mx.array(tokens[position:]), prompt_cache=cache, **kwargs):
@@ -69,13 +70,13 @@ def stream_generate(
     seen = tokens + produced
     held = prompt_position(cache)
     if 0 < held <= len(seen):
-        store.insert(seen[:held], cache)
+        space.insert(seen[:held], cache)
 
 
-def generate(model: nn.Module, tokenizer, prompt: Prompt, *, store: Space, verbose: bool = False, **kwargs: Any) -> str:
+def generate(model: nn.Module, tokenizer, prompt: Prompt, *, space: Space, verbose: bool = False, **kwargs: Any) -> str:
     """mlx_lm.generate with a prompt-cache store: the reply's text."""
     text = ""
-    for response in stream_generate(model, tokenizer, prompt, store=store, **kwargs):
+    for response in stream_generate(model, tokenizer, prompt, space=space, **kwargs):
         if verbose:
             print(response.text, end="", flush=True)
         text += response.text

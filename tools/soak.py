@@ -147,7 +147,7 @@ class FuzzStore:
         rng = random.Random(seed)
         seqs = [mx.array(s, dtype=mx.uint32) for s in sequences()[::2]]
         with PromptStore.open(self.root, durability="sync") as store:
-            space = store.namespace(self.model, model_id="fuzz")
+            space = store.bind(self.model, model_id="fuzz")
             for tokens in seqs:
                 for n in sorted({rng.randint(8, tokens.size - 1), tokens.size}):
                     hit = space.fetch(tokens[:n])
@@ -182,7 +182,7 @@ class FuzzStore:
             return res
         try:
             try:
-                space = store.namespace(self.model, model_id="fuzz")
+                space = store.bind(self.model, model_id="fuzz")
             except PromptStoreError as e:
                 res["refused"] = signature(e)
                 return res

@@ -14,6 +14,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from ..errors import CacheShapeError, SnapshotFormatError, SnapshotRangeError
 from .base import as_position
+from .registry import adopt, register
 from .snapshot import Snapshot, own
 from .whole import WholeStateKind
 
@@ -21,6 +22,7 @@ _EXTRA = ("left_padding", "lengths")
 MAX_STATE_SLOTS = 64  # models use 2-4; a file claiming more is malformed
 
 
+@register
 class ArraysCache(WholeStateKind, mlx_cache.ArraysCache):
     """mlx-lm's list of recurrent state arrays, with an offset and whole-state snapshots."""
 
@@ -81,8 +83,6 @@ class ArraysCache(WholeStateKind, mlx_cache.ArraysCache):
             raise SnapshotFormatError(f"a recurrent state at {snapshot.end} holds no arrays")
 
     def extract(self, idx):
-        from .registry import adopt
-
         out = adopt(super().extract(idx))
         out.offset = self.offset
         return out

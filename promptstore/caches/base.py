@@ -150,7 +150,7 @@ class SnapshotProtocol:
         for name, value in plan.items():
             setattr(self, name, value)
 
-    def check_layout(self, snapshot: Snapshot) -> None:
+    def check_snapshot_layout(self, snapshot: Snapshot) -> None:
         if snapshot.kind != self.kind:
             raise SnapshotKindError(f"a {snapshot.kind!r} snapshot cannot restore a {self.kind!r} cache")
         mine = self.layout()

@@ -14,6 +14,7 @@ from mlx_lm.models import cache as mlx_cache
 from ..errors import CacheError, CacheShapeError, SnapshotFormatError, SnapshotRangeError
 from .base import as_position
 from .range import RangeKind
+from .registry import adopt, register
 from .rotating import check_live, check_window, window_room
 from .snapshot import Snapshot, own
 from .whole import WholeStateKind, _window_length
@@ -30,12 +31,7 @@ def _check_cursors(snapshot: Snapshot, batch: int | None) -> None:
             raise CacheShapeError(f"{name!r} has {a.shape[0]} entries for a batch of {batch}")
 
 
-def _adopted(cache):
-    from .registry import adopt
-
-    return adopt(cache)
-
-
+@register
 class BatchKVCache(RangeKind, mlx_cache.BatchKVCache):
     """mlx-lm's left-padded batch KV cache, with range snapshots over buffer positions."""
 
@@ -79,12 +75,13 @@ class BatchKVCache(RangeKind, mlx_cache.BatchKVCache):
 
     @classmethod
     def merge(cls, caches):
-        return _adopted(super().merge(caches))
+        return adopt(super().merge(caches))
 
     def extract(self, idx):
-        return _adopted(super().extract(idx))
+        return adopt(super().extract(idx))
 
 
+@register
 class BatchRotatingKVCache(WholeStateKind, mlx_cache.BatchRotatingKVCache):
     """mlx-lm's left-padded batch sliding-window cache, with whole-state snapshots."""
 
@@ -168,7 +165,7 @@ class BatchRotatingKVCache(WholeStateKind, mlx_cache.BatchRotatingKVCache):
 
     @classmethod
     def merge(cls, caches):
-        return _adopted(super().merge(caches))
+        return adopt(super().merge(caches))
 
     def extract(self, idx):
-        return _adopted(super().extract(idx))
+        return adopt(super().extract(idx))

@@ -16,6 +16,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from ..errors import SnapshotFormatError, SnapshotKindError, SnapshotRangeError
 from .base import SnapshotChain, SnapshotProtocol, as_chain, as_position, check_consecutive
+from .registry import adopt, from_mlx_lm_state, kind_class, register
 from .snapshot import Snapshot
 
 
@@ -34,14 +35,13 @@ def _respan(child: Snapshot | None, start: int) -> Snapshot | None:
     return Snapshot(child.kind, start, child.end, True, child.arrays, dict(child.scalars), child.children)
 
 
+@register
 class CacheList(SnapshotProtocol, mlx_cache.CacheList):
     """mlx-lm's cache list whose children are promptstore caches."""
 
     kind: ClassVar[str] = "cache_list"
 
     def __init__(self, *caches):
-        from .registry import adopt
-
         super().__init__(*(adopt(c) for c in caches))
 
     @property
@@ -64,8 +64,6 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
 
     @state.setter
     def state(self, v):
-        from .registry import from_mlx_lm_state
-
         self.caches = [from_mlx_lm_state(name, s) for s, name in v]
 
     def snapshot(self, from_offset: int = 0) -> Snapshot:
@@ -83,7 +81,7 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
         else:
             chain = as_chain(snapshot, self.kind)
             for s in chain:
-                self.check_layout(s)
+                self.check_snapshot_layout(s)
                 type(self).validate_snapshot(s)
             chains = [_child_chain(chain, i, c.whole_state) for i, c in enumerate(self.caches)]
             if any(sub is None for sub in chains):
@@ -102,14 +100,10 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
 
     @classmethod
     def reachable(cls, snapshot: Snapshot, target: int) -> bool:
-        from .registry import kind_class
-
         return all(c is not None and kind_class(c.kind).reachable(c, target) for c in snapshot.children)
 
     @classmethod
     def merge_snapshots(cls, parent: Snapshot | None, child: Snapshot | None):
-        from .registry import kind_class
-
         if parent is None or child is None:
             return child if parent is None else parent
         cls.check_pair(parent, child)
@@ -123,8 +117,6 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
 
     @classmethod
     def merge_chain(cls, chain) -> Snapshot:
-        from .registry import kind_class
-
         chain = as_chain(chain, cls.kind)
         for a, b in zip(chain, chain[1:]):
             check_consecutive(a, b)
@@ -143,8 +135,6 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
 
     @classmethod
     def split_snapshot(cls, snapshot: Snapshot, at: int):
-        from .registry import kind_class
-
         at = as_position(at, "split position")
         cls.validate_snapshot(snapshot)
         if at >= snapshot.end:
@@ -165,8 +155,6 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
 
     @classmethod
     def validate_snapshot(cls, snapshot: Snapshot) -> None:
-        from .registry import kind_class
-
         kinds = snapshot.scalars.get("kinds")
         if snapshot.arrays or not isinstance(kinds, list) or len(kinds) != len(snapshot.children):
             raise SnapshotFormatError(

@@ -13,9 +13,11 @@ from mlx_lm.models import cache as mlx_cache
 
 from ..errors import CacheShapeError, SnapshotFormatError
 from .range import RangeKind
+from .registry import adopt, kind_class, register
 from .snapshot import Snapshot
 
 
+@register
 class KVCache(RangeKind, mlx_cache.KVCache):
     """mlx-lm's step-buffered full-attention cache, with range snapshots."""
 
@@ -40,16 +42,13 @@ class KVCache(RangeKind, mlx_cache.KVCache):
 
     @classmethod
     def merge(cls, caches):
-        from .batch import BatchKVCache
-
-        return BatchKVCache.merge(caches)
+        return kind_class("batch_kv").merge(caches)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        from .registry import adopt
-
         return adopt(super().to_quantized(group_size=group_size, bits=bits))
 
 
+@register
 class QuantizedKVCache(RangeKind, mlx_cache.QuantizedKVCache):
     """mlx-lm's quantized KV cache: (packed, scales, biases) per keys and values."""
 
@@ -94,6 +93,7 @@ class QuantizedKVCache(RangeKind, mlx_cache.QuantizedKVCache):
                 )
 
 
+@register
 class ChunkedKVCache(RangeKind, mlx_cache.ChunkedKVCache):
     """mlx-lm's chunked-attention cache (llama4): only the current chunk matters.
 

@@ -116,7 +116,7 @@ class RangeKind(SnapshotProtocol):
             return self.checked_rewind(target)
         chain = as_chain(snapshot, self.kind)
         for s in chain:
-            self.check_layout(s)
+            self.check_snapshot_layout(s)
             type(self).validate_snapshot(s)
         start, end = chain[0].start, chain[-1].end
         if target > end:

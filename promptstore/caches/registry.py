@@ -11,41 +11,29 @@ from typing import Any
 from mlx_lm.models import cache as mlx_cache
 
 from ..errors import UnknownKindError, UnsupportedCacheError
-from .arrays import ArraysCache
-from .batch import BatchKVCache, BatchRotatingKVCache
-from .cache_list import CacheList
-from .kv import ChunkedKVCache, KVCache, QuantizedKVCache
-from .rotating import RotatingKVCache
 
-KINDS: dict[str, type] = {
-    cls.kind: cls
-    for cls in (
-        KVCache,
-        RotatingKVCache,
-        QuantizedKVCache,
-        ChunkedKVCache,
-        ArraysCache,
-        CacheList,
-        BatchKVCache,
-        BatchRotatingKVCache,
-    )
-}
+# The registry is the one module that knows every kind, and it imports none:
+# each kind registers itself (`@register`), and importing `promptstore.caches`
+# imports every kind module, so the registry is complete before any lookup.
+KINDS: dict[str, type] = {}
 
 # mlx-lm's class -> ours. Exact types only: a subclass someone else wrote may
 # keep state we do not know about.
-_ADOPTABLE: dict[type, type] = {
-    mlx_cache.KVCache: KVCache,
-    mlx_cache.RotatingKVCache: RotatingKVCache,
-    mlx_cache.QuantizedKVCache: QuantizedKVCache,
-    mlx_cache.ChunkedKVCache: ChunkedKVCache,
-    mlx_cache.ArraysCache: ArraysCache,
-    mlx_cache.CacheList: CacheList,
-    mlx_cache.BatchKVCache: BatchKVCache,
-    mlx_cache.BatchRotatingKVCache: BatchRotatingKVCache,
-}
+_ADOPTABLE: dict[type, type] = {}
 
 # Class names as mlx-lm writes them into prompt-cache files.
-MLX_LM_NAMES: dict[str, type] = {cls.__name__: cls for cls in KINDS.values()}
+MLX_LM_NAMES: dict[str, type] = {}
+
+
+def register(cls: type) -> type:
+    """Class decorator: `cls` serves its `kind`, and adopts the mlx-lm class it extends."""
+    if cls.kind in KINDS:
+        raise RuntimeError(f"cache kind {cls.kind!r} registered twice")
+    base = next(b for b in cls.__mro__ if b.__module__ == mlx_cache.__name__)
+    KINDS[cls.kind] = cls
+    _ADOPTABLE[base] = cls
+    MLX_LM_NAMES[cls.__name__] = cls
+    return cls
 
 
 def kind_class(name: str) -> type:
@@ -71,7 +59,7 @@ def adopt(cache: Any) -> Any:
             f"supported: {sorted(c.__name__ for c in _ADOPTABLE)}"
         )
     cache.__class__ = ours
-    if ours is CacheList:
+    if ours.kind == "cache_list":
         cache.caches = tuple(adopt(c) for c in cache.caches)
     return cache
 

@@ -14,6 +14,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from ..errors import CacheShapeError, SnapshotFormatError, SnapshotRangeError
 from .base import as_position, headroom
+from .registry import kind_class, register
 from .snapshot import Snapshot, own
 from .whole import WholeStateKind, _window_length
 
@@ -55,6 +56,7 @@ def check_live(live_keys, snapshot: Snapshot) -> None:
         )
 
 
+@register
 class RotatingKVCache(WholeStateKind, mlx_cache.RotatingKVCache):
     """mlx-lm's sliding-window cache (with `keep` sink tokens)."""
 
@@ -139,6 +141,4 @@ class RotatingKVCache(WholeStateKind, mlx_cache.RotatingKVCache):
 
     @classmethod
     def merge(cls, caches):
-        from .batch import BatchRotatingKVCache
-
-        return BatchRotatingKVCache.merge(caches)
+        return kind_class("batch_rotating").merge(caches)

@@ -34,7 +34,7 @@ class WholeStateKind(SnapshotProtocol):
             return self.checked_rewind(target)
         chain = as_chain(snapshot, self.kind)
         last = chain[-1]
-        self.check_layout(last)
+        self.check_snapshot_layout(last)
         type(self).validate_snapshot(last)
         if target > last.end:
             raise SnapshotRangeError(f"target {target} is past the snapshot's end {last.end}")

@@ -7,6 +7,7 @@ per-process registry and are shared, refcounted, by every Index on that path.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -232,6 +233,29 @@ def release(environment: Environment) -> None:
         if _registry.get(environment.path) is environment:
             del _registry[environment.path]
         environment.env.close()
+
+
+def compact_in_place(path: str) -> int:
+    """Swap a compacting copy of the environment at `path` in for its data file."""
+    fresh = path.rstrip(os.sep) + ".compact"
+    shutil.rmtree(fresh, ignore_errors=True)
+    data = os.path.join(path, "data.mdb")
+    before = os.stat(data).st_size
+    environment = acquire(path, DEFAULT_MAP_SIZE, readonly=False, sync=True)
+    try:
+        os.makedirs(fresh, mode=0o700)
+        environment.env.copy(fresh, compact=True)
+    finally:
+        release(environment)
+    # One atomic rename: a crash leaves either the old map or the new one.
+    os.replace(os.path.join(fresh, "data.mdb"), data)
+    shutil.rmtree(fresh, ignore_errors=True)
+    # Reader slots of the old map; LMDB recreates the lock file on open.
+    try:
+        os.unlink(os.path.join(path, "lock.mdb"))
+    except FileNotFoundError:
+        pass
+    return max(before - os.stat(data).st_size, 0)
 
 
 def _open(path: str, map_size: int, readonly: bool, sync: bool) -> Environment:

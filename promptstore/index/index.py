@@ -24,7 +24,7 @@ from promptstore.errors import (
 
 from . import access, counters, env, keys, trie
 from .namespace import Namespace, NamespaceSpec
-from .records import Node, NodeRecord, check_layout
+from .records import Node, NodeRecord, check_record_layout
 from .trie import InsertPlan, InsertResult, Match, SplitRecords
 
 # A pair of records for a split, or a function of the plan that makes them (bulk inserts).
@@ -255,7 +255,7 @@ class Index:
                 raise NodeNotFoundError(f"no node {key.hex()}")
             if expect is not None and not expect(node):
                 raise StaleInsertError(f"node {key.hex()} changed since it was read")
-            check_layout(self._namespace_in(txn, node.namespace), record)
+            check_record_layout(self._namespace_in(txn, node.namespace), record)
             return node
 
         return self._write(lambda txn, node: trie.replace_record(txn, self._dbs, node, record), fits)
@@ -281,7 +281,7 @@ class Index:
                 (a.key, a.start, a.end) != (b.key, b.start, b.end) for a, b in zip(pair, expect)
             ):
                 raise StaleInsertError(f"node {key.hex()} or its child changed since they were read")
-            check_layout(ns, record)
+            check_record_layout(ns, record)
             return pair
 
         return self._write(lambda txn, pair: trie.join_child(txn, self._dbs, pair, record), fits)
@@ -323,10 +323,12 @@ class Index:
 
         return self._write(apply)
 
-    def compact_copy(self, dest: str | os.PathLike) -> None:
-        """Write a compacting copy of the environment into the new directory `dest`."""
-        os.makedirs(dest, mode=0o700)
-        self._env.env.copy(os.fspath(dest), compact=True)
+    @staticmethod
+    def compact_in_place(path: str | os.PathLike) -> int:
+        """Replace the index at `path` by a compacting copy of itself; returns the
+        bytes reclaimed. The caller must hold the store idle (no process has it
+        open): other processes' maps would still point into the old file."""
+        return env.compact_in_place(os.fspath(path))
 
     # --- access order and counters ----------------------------------------
 

@@ -61,7 +61,7 @@ class NodeRecord(BaseModel):
         return sum(1 << i for i, layer in enumerate(self.layers) if layer.present)
 
 
-def check_layout(namespace: Namespace, record: NodeRecord) -> None:
+def check_record_layout(namespace: Namespace, record: NodeRecord) -> None:
     """Raise RecordLayoutError unless the record has one matching LayerRef per layer."""
     whole = tuple(layer.whole for layer in record.layers)
     if whole != namespace.whole:

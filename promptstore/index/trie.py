@@ -27,7 +27,7 @@ from promptstore.errors import (
 from . import access, counters, keys
 from .env import Dbs
 from .namespace import Namespace
-from .records import Node, NodeRecord, check_layout, decode_node, encode_node
+from .records import Node, NodeRecord, check_record_layout, decode_node, encode_node
 
 log = logging.getLogger("promptstore.index")
 
@@ -335,11 +335,11 @@ def _check_records(p: InsertPlan, new_record, split_records) -> None:
                 f"insert splits node {p.split.key.hex()} at {p.split.at}; split_records=(upper, lower) required"
             )
         for record in split_records:
-            check_layout(p.namespace, record)
+            check_record_layout(p.namespace, record)
     if p.leaf_key is not None:
         if new_record is None:
             raise RecordLayoutError(f"insert stores {p.span}; new_record required")
-        check_layout(p.namespace, new_record)
+        check_record_layout(p.namespace, new_record)
 
 
 def apply(txn: lmdb.Transaction, dbs: Dbs, checked: CheckedInsert) -> InsertResult:

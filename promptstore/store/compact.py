@@ -12,7 +12,6 @@ reported) otherwise.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from ..errors import (
     PromptStoreError,
     StaleInsertError,
 )
+from ..index import Index
 from ..snapshots.cold import TEMP_MARK
 from .store import PromptStore
 from .tiers import unfile
@@ -361,20 +361,8 @@ def compact(
 
 def _compact_lmdb(root: Path, report: CompactReport) -> None:
     """A compacting copy of the index swapped in, under the store's exclusive lock."""
-    from ..index import Index
-
     with PromptStore.lock(root, exclusive=True, blocking=False) as held:
         if not held:
             report.skipped.append("LMDB compaction (the store is in use)")
             return
-        index_dir, fresh = root / "index", root / "index.compact"
-        shutil.rmtree(fresh, ignore_errors=True)
-        data = index_dir / "data.mdb"
-        before = data.stat().st_size
-        with Index.open(index_dir) as index:
-            index.compact_copy(fresh)
-        # One atomic rename: a crash leaves either the old map or the new one.
-        os.replace(fresh / "data.mdb", data)
-        shutil.rmtree(fresh, ignore_errors=True)
-        (index_dir / "lock.mdb").unlink(missing_ok=True)  # reader slots of the old map; recreated on open
-        report.add("LMDB space", nbytes=max(before - data.stat().st_size, 0))
+        report.add("LMDB space", nbytes=Index.compact_in_place(root / "index"))

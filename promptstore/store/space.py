@@ -31,10 +31,14 @@ from ..errors import (
     StaleInsertError,
     UnsupportedCacheError,
 )
-from ..index import LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens
+from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens
 
 if TYPE_CHECKING:
-    from .store import PromptStore
+    from ..config import Settings
+    from .tiers import Tiers
+
+# A rough prefill cost per token, used to value nodes inserted without a timing.
+ESTIMATED_SECONDS_PER_TOKEN = 1e-3
 
 
 @dataclass
@@ -136,19 +140,39 @@ class _SplitDataUnavailable(Exception):
 class Space:
     """One namespace of a store, bound to a model."""
 
-    def __init__(self, store: PromptStore, model: nn.Module, namespace: Namespace, cache_kwargs: dict):
-        self.store, self.model, self.namespace = store, model, namespace
+    def __init__(
+        self,
+        index: Index,
+        tiers: Tiers,
+        settings: Settings,
+        model: nn.Module,
+        namespace: Namespace,
+        cache_kwargs: dict,
+        dtype: str,
+    ):
+        self.index, self.tiers, self.settings = index, tiers, settings
+        self.model, self.namespace, self.dtype = model, namespace, dtype
         self.cache_kwargs = cache_kwargs
-        self.index, self.tiers = store.index, store.tiers
         self.last_hit: Hit | None = None
         self._touched: list[bytes] = []
         self._counts: Counter = Counter()
         self._flushed = time.monotonic()
         self._signatures: list | None = None
-        store.spaces.append(self)
 
     @classmethod
-    def bind(cls, store, model, model_id=None, salt=None, kv_bits=None, kv_group_size=64, max_kv_size=None) -> Space:
+    def bind(
+        cls,
+        index: Index,
+        tiers: Tiers,
+        settings: Settings,
+        model: nn.Module,
+        model_id=None,
+        salt=None,
+        kv_bits=None,
+        kv_group_size=64,
+        max_kv_size=None,
+    ) -> Space:
+        """Register `model`'s namespace in `index` and bind the model to it."""
         kwargs = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "max_kv_size": max_kv_size}
         template = C.make_prompt_cache(model, **kwargs)
         dtype = model_dtype(model)
@@ -161,9 +185,7 @@ class Space:
             layers=[layer_spec(c, dtype) for c in template],
             salt=salt,
         )
-        space = cls(store, model, store.index.register_namespace(spec), kwargs)
-        space.dtype = dtype
-        return space
+        return cls(index, tiers, settings, model, index.register_namespace(spec), kwargs, dtype)
 
     def new_cache(self) -> list:
         """Empty per-layer caches of this namespace's layout."""
@@ -239,7 +261,7 @@ class Space:
     def _grid(self, start: int, end: int) -> tuple[int, ...]:
         if self.namespace.whole_mask == 0:
             return ()  # range layers restore anywhere: no checkpoints needed
-        step = self.store.settings.checkpoint_interval
+        step = self.settings.checkpoint_interval
         return tuple(range((start // step + 1) * step, end + 1, step))
 
     def _restore(self, cache, path: list[Node], target: int):
@@ -406,7 +428,7 @@ class Space:
         layers = [
             ref.model_copy(update={"nbytes": s.nbytes if s is not None else 0}) for ref, s in zip(record.layers, snaps)
         ]
-        seconds = prefill_seconds if prefill_seconds is not None else self.store.estimate_prefill(n_tokens)
+        seconds = prefill_seconds if prefill_seconds is not None else n_tokens * ESTIMATED_SECONDS_PER_TOKEN
         return record.model_copy(
             update={
                 "layers": layers,

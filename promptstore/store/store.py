@@ -17,23 +17,16 @@ import mlx.nn as nn
 import platformdirs
 
 from ..config import Settings
-from ..errors import PromptStoreError
+from ..errors import StoreDirectoryError
 from ..index import Index
 from .space import Space
 from .tiers import Tiers
-
-# A rough prefill cost per token, used to value nodes inserted without a timing.
-_DEFAULT_SECONDS_PER_TOKEN = 1e-3
 
 
 def default_path() -> Path:
     """$PROMPTSTORE_HOME, else the user's cache directory."""
     home = os.environ.get("PROMPTSTORE_HOME")
     return Path(home) if home else Path(platformdirs.user_cache_dir("promptstore"))
-
-
-class StoreDirectoryError(PromptStoreError):
-    """The store directory is unsafe or unusable (a symlink, another owner's, not a directory)."""
 
 
 class PromptStore:
@@ -48,7 +41,6 @@ class PromptStore:
         self.exclusive = False
         self.index = Index.open(path / "index", map_size=settings.map_size)
         self.tiers = Tiers(path, self.index, settings)
-        self.seconds_per_token = _DEFAULT_SECONDS_PER_TOKEN
         self.spaces: list[Space] = []
         self._closed = False
 
@@ -63,19 +55,22 @@ class PromptStore:
         _prepare(root, config.dir_mode)
         return cls(root, config)
 
-    def namespace(
-        self, model: nn.Module, model_id: str | None = None, salt: str | None = None, **cache_kwargs
+    def bind(
+        self,
+        model: nn.Module,
+        model_id: str | None = None,
+        salt: str | None = None,
+        **cache_kwargs,
     ) -> Space:
-        """Bind `model` (and its cache layout) to a namespace of this store.
+        """The namespace of `model` (and its cache layout) in this store, as a Space.
 
         model_id: an identity you vouch for; without it the weights are digested.
         salt: a tenant secret; namespaces with different salts never share a node.
         cache_kwargs: kv_bits, kv_group_size, max_kv_size, as for make_prompt_cache.
         """
-        return Space.bind(self, model, model_id=model_id, salt=salt, **cache_kwargs)
-
-    def estimate_prefill(self, n_tokens: int) -> float:
-        return n_tokens * self.seconds_per_token
+        space = Space.bind(self.index, self.tiers, self.settings, model, model_id=model_id, salt=salt, **cache_kwargs)
+        self.spaces.append(space)
+        return space
 
     def flush(self) -> None:
         """Wait for queued spills."""

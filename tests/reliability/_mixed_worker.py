@@ -95,7 +95,7 @@ class Worker:
     def open(self):
         a = self.args
         self.store = self.PromptStore.open(a.store, durability=a.durability, hot_bytes=a.hot_bytes, map_size=a.map_size)
-        self.space = self.store.namespace(self.model, model_id=MODEL_ID)
+        self.space = self.store.bind(self.model, model_id=MODEL_ID)
 
     def close(self):
         if self.store is not None:

@@ -87,7 +87,7 @@ def check_store(root: Path) -> dict:
     seqs = [mx.array(s, dtype=mx.uint32) for s in sequences()]
     out: Counter = Counter()
     with PromptStore.open(root, hot_bytes=0) as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         for tokens in seqs:
             for n in (tokens.size, tokens.size // 2, 30):
                 length, err = continuation_error(space, model, tokens[:n])
@@ -139,21 +139,21 @@ def test_heal_never_stores_another_prompts_state(tmp_path):
     query = mx.concatenate([BASE, prompt_tokens(4, seed=72)])
     # "Another process" stored BASE and holds it in memory only (write_back, large budget).
     with PromptStore.open(tmp_path, durability="write_back", hot_bytes=1 << 30) as other:
-        prefill_insert(other.namespace(model, model_id="m"), model, BASE)
+        prefill_insert(other.bind(model, model_id="m"), model, BASE)
         with PromptStore.open(tmp_path, durability="sync") as store:
-            space = store.namespace(model, model_id="m")
+            space = store.bind(model, model_id="m")
             prefill_insert(space, model, other_prompt)  # diverges inside BASE's node
             length, err = continuation_error(space, model, query)
             assert err < TOL, f"served {length} tokens of another prompt's state: |diff| {err:.3f}"
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        length, err = continuation_error(store.namespace(model, model_id="m"), model, query)
+        length, err = continuation_error(store.bind(model, model_id="m"), model, query)
         assert err < TOL, f"after a restart: {length} tokens, |diff| {err:.3f}"
 
 
 def test_a_split_by_another_process_right_after_ours(tmp_path):
     model = _model("llama")
     with PromptStore.open(tmp_path, durability="sync") as store, PromptStore.open(tmp_path, durability="sync") as other:
-        space, theirs = store.namespace(model, model_id="m"), other.namespace(model, model_id="m")
+        space, theirs = store.bind(model, model_id="m"), other.bind(model, model_id="m")
         prefill_insert(space, model, BASE[:57])
         real = store.index.commit_insert
         raced = []
@@ -180,7 +180,7 @@ def test_a_split_by_another_process_right_after_ours(tmp_path):
 
 def _a_store_with_files(root, model):
     with PromptStore.open(root, durability="sync") as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         for n in (24, 48, 63):
             prefill_insert(space, model, BASE[:n])
 
@@ -202,14 +202,14 @@ def test_compact_copes_with_files_vanishing_under_it(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert report.status != "failed", report.errors
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        _, err = continuation_error(store.namespace(model, model_id="m"), model, BASE)
+        _, err = continuation_error(store.bind(model, model_id="m"), model, BASE)
         assert err < TOL
 
 
 def test_compact_leaves_this_processs_inflight_spill_alone(tmp_path):
     model = _model("llama")
     with PromptStore.open(tmp_path, durability="write_through") as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         real_sync = store.tiers.cold._sync_file
         writing, go_on = threading.Event(), threading.Event()
 
@@ -235,7 +235,7 @@ def _chain_of_two(root):
     """A store holding the chain [0, 24) -> [24, 48) of BASE, on disk; returns the model."""
     model = _model("llama")
     with PromptStore.open(root, durability="sync") as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         prefill_insert(space, model, BASE[:24])
         prefill_insert(space, model, BASE[:48])
     return model
@@ -243,7 +243,7 @@ def _chain_of_two(root):
 
 def _assert_chain_serves_from_disk(root, model):
     with PromptStore.open(root, hot_bytes=0) as store:
-        length, err = continuation_error(store.namespace(model, model_id="m"), model, BASE[:50])
+        length, err = continuation_error(store.bind(model, model_id="m"), model, BASE[:50])
         assert (length, list(store.tiers.reports)) == (48, []) and err < TOL
 
 
@@ -253,7 +253,7 @@ def test_compact_joins_only_the_pair_it_merged(tmp_path, monkeypatch):
     model = _chain_of_two(tmp_path)
     real = Index.join_child
     with PromptStore.open(tmp_path, durability="sync") as other:
-        theirs = other.namespace(model, model_id="m")
+        theirs = other.bind(model, model_id="m")
         raced = []
 
         def another_process_splits_the_child_first(self, *args, **kwargs):

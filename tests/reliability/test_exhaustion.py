@@ -43,7 +43,7 @@ def family_of_sequences(n, seed=0, length=40):
 
 def assert_all_served(root, model, seqs, sample=None):
     with PromptStore.open(root, hot_bytes=0, map_size=TINY_MAP) as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         for i, tokens in enumerate(seqs):
             hit = space.fetch(tokens)
             assert hit.length == len(tokens) - 1, i
@@ -60,7 +60,7 @@ def test_a_full_map_grows_and_loses_nothing(tmp_path, durability):
     # A hot budget of about 12 nodes: evictions and cold loads all along (a budget smaller
     # than one node doubles every write: see test_nothing_hot_writes_each_node_once).
     with PromptStore.open(tmp_path, map_size=TINY_MAP, durability=durability, hot_bytes=1 << 18) as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         for i, tokens in enumerate(seqs):
             prefill_insert(space, model, tokens)
             if i % 25 == 24:  # what was stored before stays served while the map grows
@@ -85,7 +85,7 @@ GROW_WORKER = textwrap.dedent("""
     from tests.reliability._util import prefill_insert
     model = tiny_model("llama")
     with PromptStore.open(sys.argv[1], map_size=TINY_MAP, durability="sync") as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         for tokens in family_of_sequences(int(sys.argv[3]), seed=int(sys.argv[4])):
             prefill_insert(space, model, tokens)
         print("map", store.index.stats()["map_size"])
@@ -111,7 +111,7 @@ def test_map_grown_by_another_process_under_an_open_store(tmp_path):
     model = _model("llama")
     mine, theirs = family_of_sequences(8, seed=1), family_of_sequences(60, seed=2)
     with PromptStore.open(tmp_path, map_size=TINY_MAP, durability="sync") as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         for tokens in mine:
             prefill_insert(space, model, tokens)
         before = store.index.stats()["map_size"]
@@ -160,7 +160,7 @@ def test_hot_budget_zero_with_write_back(tmp_path):
     model = _model("llama")
     seqs = family_of_sequences(16, seed=5)
     with PromptStore.open(tmp_path, hot_bytes=0, durability="write_back") as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         for tokens in seqs:
             prefill_insert(space, model, tokens)
             assert store.tiers.hot.nbytes == 0 and len(store.tiers.hot) == 0
@@ -171,7 +171,7 @@ def test_hot_budget_zero_with_write_back(tmp_path):
         assert store.tiers.hot.nbytes == 0
         assert not store.tiers.reports, list(store.tiers.reports)
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         nodes = list(store.index.iter_nodes(space.namespace))
         assert nodes and all(n.record.file for n in nodes)  # every node is on disk
         assert {n.record.file for n in nodes} <= files_on_disk(tmp_path)
@@ -187,7 +187,7 @@ def test_a_node_being_published_stays_visible(tmp_path):
     model = _model("llama")
     tokens = prompt_tokens(40, seed=8)
     with PromptStore.open(tmp_path, hot_bytes=0, durability="write_back") as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         real = store.index.update_record
         publishing, go_on = threading.Event(), threading.Event()
 
@@ -230,12 +230,12 @@ def test_splits_leave_no_orphan_files(tmp_path, durability, hot_bytes):
     first = prompt_tokens(40, seed=1)
     second = mx.concatenate([first[:16], prompt_tokens(24, seed=2)])  # splits first's node at 16
     with PromptStore.open(tmp_path, durability=durability, hot_bytes=hot_bytes) as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         prefill_insert(space, model, first)
         store.flush()
         prefill_insert(space, model, second)
     with PromptStore.open(tmp_path) as store:
-        named = {n.record.file for n in store.index.iter_nodes(store.namespace(model, model_id=MODEL_ID).namespace)}
+        named = {n.record.file for n in store.index.iter_nodes(store.bind(model, model_id=MODEL_ID).namespace)}
     assert len(named) == 3 and files_on_disk(tmp_path) == named
 
 
@@ -253,7 +253,7 @@ def test_nothing_hot_writes_each_node_once(tmp_path, monkeypatch, durability):
 
     monkeypatch.setattr(ColdTier, "write", counting)
     with PromptStore.open(tmp_path, hot_bytes=0, durability=durability) as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         for tokens in [prompt_tokens(40, seed=s) for s in range(4)]:  # no splits: one node each
             prefill_insert(space, model, tokens)
         store.flush()
@@ -269,7 +269,7 @@ def test_writer_queue_of_one_with_nothing_hot(tmp_path):
     model = _model("llama")
     seqs = family_of_sequences(24, seed=6)
     with PromptStore.open(tmp_path, hot_bytes=0, durability="write_back", writer_queue=1) as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         for tokens in seqs:
             prefill_insert(space, model, tokens)
         store.flush()

@@ -35,10 +35,10 @@ def test_a_damaged_counter_never_breaks_fetch_close_or_compact(tmp_path):
     model = _model("llama")
     tokens = prompt_tokens(30, seed=40)
     with PromptStore.open(tmp_path, durability="sync") as store:
-        prefill_insert(store.namespace(model, model_id="m"), model, tokens)
+        prefill_insert(store.bind(model, model_id="m"), model, tokens)
     assert damage_counters(tmp_path) > 0
     store = PromptStore.open(tmp_path, hot_bytes=0)
-    space = store.namespace(model, model_id="m")
+    space = store.bind(model, model_id="m")
     for _ in range(3):
         length, err = continuation_error(space, model, tokens)  # a hit
         assert length == len(tokens) - 1 and err < TOL
@@ -47,16 +47,16 @@ def test_a_damaged_counter_never_breaks_fetch_close_or_compact(tmp_path):
     report = compact(tmp_path, max_bytes=1 << 30)
     assert report.status != "failed", report.errors
     with PromptStore.open(tmp_path) as store:
-        assert store.index.counters(store.namespace(model, model_id="m").namespace)["nodes"] == 1
+        assert store.index.counters(store.bind(model, model_id="m").namespace)["nodes"] == 1
 
 
 def test_a_failing_close_still_releases_the_store(tmp_path):
     model = _model("llama")
     with PromptStore.open(tmp_path, durability="sync") as store:
-        prefill_insert(store.namespace(model, model_id="m"), model, prompt_tokens(30, seed=40))
+        prefill_insert(store.bind(model, model_id="m"), model, prompt_tokens(30, seed=40))
     damage_counters(tmp_path)  # the known way to make close() fail today (see the test above)
     store = PromptStore.open(tmp_path, hot_bytes=0)
-    store.namespace(model, model_id="m").fetch(prompt_tokens(30, seed=41))
+    store.bind(model, model_id="m").fetch(prompt_tokens(30, seed=41))
     with contextlib.suppress(Exception):  # the point is what close() leaves behind when it fails
         store.close()
     with PromptStore.lock(tmp_path, exclusive=True, blocking=False) as idle:
@@ -86,10 +86,10 @@ def test_a_damaged_children_entry_is_a_miss(tmp_path, value):
     model = _model("llama")
     tokens = prompt_tokens(30, seed=40)
     with PromptStore.open(tmp_path, durability="sync") as store:
-        prefill_insert(store.namespace(model, model_id="m"), model, tokens)
+        prefill_insert(store.bind(model, model_id="m"), model, tokens)
     damage_children(tmp_path, value)
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         length, err = continuation_error(space, model, tokens)
         assert length == 0 and err < TOL
     assert compact(tmp_path, max_bytes=1 << 30).status != "failed"
@@ -99,7 +99,7 @@ def test_a_mislinked_children_entry_does_not_fail_every_compact(tmp_path):
     model = _model("llama")
     base = prompt_tokens(63, seed=70)
     with PromptStore.open(tmp_path, durability="sync") as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         for n in (24, 40, 63):
             prefill_insert(space, model, base[:n])  # a chain [0, 24) -> [24, 40) -> [40, 63)
         nodes = {n.end: n for n in store.index.iter_nodes(space.namespace)}
@@ -113,7 +113,7 @@ def test_a_mislinked_children_entry_does_not_fail_every_compact(tmp_path):
     finally:
         env.close()
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        length, err = continuation_error(store.namespace(model, model_id="m"), model, base)
+        length, err = continuation_error(store.bind(model, model_id="m"), model, base)
         assert length == 24 and err < TOL  # fetch already copes
     for run in range(2):  # not just once: every later run hit the same entry
         report = compact(tmp_path, max_bytes=1 << 30)

@@ -32,9 +32,9 @@ from promptstore.errors import (
     InvalidTokensError,
     PromptStoreError,
     SettingsError,
+    StoreDirectoryError,
 )
 from promptstore.store.compact import compact
-from promptstore.store.store import StoreDirectoryError
 from promptstore.testing.models import tiny_model
 
 from ..conftest import _model, forward, fresh_cache, prompt_tokens
@@ -95,7 +95,7 @@ def test_bad_tokens_through_the_store_are_invalid_tokens_errors(guard, model_of,
     tokens = TOKEN_ROWS[name]
     model = model_of("llama")
     with PromptStore.open(guard.root, durability="sync") as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         with pytest.raises(InvalidTokensError):
             space.fetch(tokens)
         cache = fresh_cache(model)
@@ -110,7 +110,7 @@ def test_empty_and_one_token_prompts(guard, model_of):
     token is always the caller's to compute), stored or not."""
     model = model_of("llama")
     with PromptStore.open(guard.root, durability="sync") as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         with pytest.raises(InvalidTokensError):
             space.fetch([])
         with pytest.raises(InvalidTokensError):
@@ -193,7 +193,7 @@ def test_bad_cache_is_a_typed_error_and_stores_nothing(guard, model_of, name, ca
     tokens = _tokens(list(BAD_CACHES).index(name))
     cache = build(model, tokens)
     with caplog.at_level(logging.CRITICAL), PromptStore.open(guard.root, durability="sync") as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         with pytest.raises(PromptStoreError):
             space.insert(tokens, cache)
         assert nodes_and_files(store, space) == ([], [])
@@ -209,7 +209,7 @@ def test_bad_cache_never_poisons_the_namespace(guard, model_of, name, caplog):
     query = mx.concatenate([tokens, prompt_tokens(4, seed=77)])
     with caplog.at_level(logging.CRITICAL):
         with PromptStore.open(guard.root, durability="sync") as store:
-            space = store.namespace(model, model_id=MODEL_ID)
+            space = store.bind(model, model_id=MODEL_ID)
             try:
                 space.insert(tokens, build(model, tokens))
             except PromptStoreError:
@@ -217,7 +217,7 @@ def test_bad_cache_never_poisons_the_namespace(guard, model_of, name, caplog):
             _, err = continuation_error(space, model, query)
             assert err < TOL
         with PromptStore.open(guard.root, hot_bytes=0) as store:
-            _, err = continuation_error(store.namespace(model, model_id=MODEL_ID), model, query)
+            _, err = continuation_error(store.bind(model, model_id=MODEL_ID), model, query)
             assert err < TOL
 
 
@@ -234,13 +234,13 @@ def test_sliding_window_model_with_several_kv_heads_persists(guard, caplog):
     tokens = prompt_tokens(40, seed=31)
     with caplog.at_level(logging.CRITICAL):
         with PromptStore.open(guard.root, durability="sync") as store:
-            space = store.namespace(model, model_id=MODEL_ID)
+            space = store.bind(model, model_id=MODEL_ID)
             cache = space.new_cache()
             forward(model, cache, tokens)  # one forward: the usual prefill of a short prompt
             space.insert(tokens, cache)
             assert not store.tiers.reports, list(store.tiers.reports)
         with PromptStore.open(guard.root, hot_bytes=0) as store:
-            space = store.namespace(model, model_id=MODEL_ID)
+            space = store.bind(model, model_id=MODEL_ID)
             length, err = continuation_error(space, model, mx.concatenate([tokens, prompt_tokens(3, seed=32)]))
     assert length == len(tokens) and err < TOL
 
@@ -334,7 +334,7 @@ def test_planted_symlinks_write_nothing_outside(guard, tmp_path, planted):
     try:
         with PromptStore.open(guard.root, durability="sync") as store:
             model = _model("llama")
-            prefill_insert(store.namespace(model, model_id=MODEL_ID), model, prompt_tokens(10))
+            prefill_insert(store.bind(model, model_id=MODEL_ID), model, prompt_tokens(10))
     except StoreDirectoryError:
         pass
     guard.check()
@@ -346,14 +346,14 @@ def test_planted_symlinks_write_nothing_outside(guard, tmp_path, planted):
 def test_use_after_close_is_a_typed_error(guard, model_of):
     model = model_of("llama")
     store = PromptStore.open(guard.root, durability="write_back")
-    space = store.namespace(model, model_id=MODEL_ID)
+    space = store.bind(model, model_id=MODEL_ID)
     tokens = prompt_tokens(12)
     cache = _model_cache(model, tokens)
     store.close()
     for call in (
         lambda: space.fetch(tokens),
         lambda: space.insert(tokens, cache),
-        lambda: store.namespace(model, model_id=MODEL_ID),
+        lambda: store.bind(model, model_id=MODEL_ID),
     ):
         with pytest.raises(IndexStoreError):
             call()
@@ -367,7 +367,7 @@ def test_use_after_close_is_a_typed_error(guard, model_of):
     with PromptStore.open(guard.root) as again:
         with pytest.raises(IndexStoreError):
             space.fetch(tokens)
-        assert again.namespace(model, model_id=MODEL_ID).fetch(tokens).length == 0
+        assert again.bind(model, model_id=MODEL_ID).fetch(tokens).length == 0
 
 
 # --- settings and namespace arguments ----------------------------------------------------------
@@ -410,7 +410,7 @@ def test_bad_namespace_arguments_are_refused(guard, model_of, kwargs):
     model = model_of("llama")
     with PromptStore.open(guard.root) as store:
         with pytest.raises(SettingsError):
-            store.namespace(model, **{"model_id": MODEL_ID, **kwargs})
+            store.bind(model, **{"model_id": MODEL_ID, **kwargs})
         assert store.index.namespaces() == []
 
 
@@ -423,7 +423,7 @@ def test_a_self_consistent_file_of_another_kind_is_a_miss(guard, model_of):
     model = model_of("llama")
     tokens = prompt_tokens(30, seed=3)
     with PromptStore.open(guard.root, durability="sync") as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         prefill_insert(space, model, tokens)
         (node,) = list(store.index.iter_nodes(space.namespace))
         other = _model("llama", "hd32")
@@ -433,7 +433,7 @@ def test_a_self_consistent_file_of_another_kind_is_a_miss(guard, model_of):
         assert tier.owns(ref.path, node.key, node.start, node.end)
         os.replace(tier.absolute(ref.path), tier.absolute(node.record.file))  # in place of the node's own file
     with PromptStore.open(guard.root, hot_bytes=0) as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         length, err = continuation_error(space, model, tokens)
         assert length == 0 and err < TOL
         assert [r.reason for r in store.tiers.reports]

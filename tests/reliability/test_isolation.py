@@ -37,7 +37,7 @@ def store_victim(root, family):
     """The victim stores half of SYSTEM, SYSTEM, then TURN, following hit.checkpoints (several nodes, on disk)."""
     model = _model(family)
     with PromptStore.open(root, durability="sync", checkpoint_interval=32) as store:
-        victim = store.namespace(model, model_id=MODEL_ID, salt=VICTIM)
+        victim = store.bind(model, model_id=MODEL_ID, salt=VICTIM)
         for tokens in (SYSTEM[:48], SYSTEM, TURN):
             insert_following_checkpoints(victim, model, tokens)
         nodes = list(store.index.iter_nodes(victim.namespace))
@@ -113,8 +113,8 @@ def test_attacker_restores_nothing_of_the_victims_prefix(tmp_path, family, monke
     # Cold (a restarted server) and hot (the victim's snapshots in this process's memory).
     for hot_bytes in (0, 1 << 30):
         with PromptStore.open(root, hot_bytes=hot_bytes) as store:
-            victim = store.namespace(model, model_id=MODEL_ID, salt=VICTIM)
-            attacker = store.namespace(model, model_id=MODEL_ID, salt=ATTACKER)
+            victim = store.bind(model, model_id=MODEL_ID, salt=VICTIM)
+            attacker = store.bind(model, model_id=MODEL_ID, salt=ATTACKER)
             assert attacker.namespace.key != victim.namespace.key
             if hot_bytes:
                 assert victim.fetch(TURN).length > 0  # the victim's nodes are hot now
@@ -134,7 +134,7 @@ def test_attacker_storing_the_same_prompt_gets_its_own_nodes(tmp_path):
     victim_nodes = store_victim(root, "llama")
     files_before = {p: p.read_bytes() for p in (root / "cold" / "files").rglob("*.safetensors")}
     with PromptStore.open(root, durability="sync") as store:
-        attacker = store.namespace(model, model_id=MODEL_ID, salt=ATTACKER)
+        attacker = store.bind(model, model_id=MODEL_ID, salt=ATTACKER)
         prefill_insert(attacker, model, TURN)
         mine = list(store.index.iter_nodes(attacker.namespace))
         assert mine and not {n.key for n in mine} & {n.key for n in victim_nodes}
@@ -142,8 +142,8 @@ def test_attacker_storing_the_same_prompt_gets_its_own_nodes(tmp_path):
     for p, raw in files_before.items():
         assert p.read_bytes() == raw  # the victim's files are untouched
     with PromptStore.open(root, hot_bytes=0) as store:
-        victim = store.namespace(model, model_id=MODEL_ID, salt=VICTIM)
-        attacker = store.namespace(model, model_id=MODEL_ID, salt=ATTACKER)
+        victim = store.bind(model, model_id=MODEL_ID, salt=VICTIM)
+        attacker = store.bind(model, model_id=MODEL_ID, salt=ATTACKER)
         assert [(n.key, n.start, n.end) for n in store.index.iter_nodes(victim.namespace)] == [
             (n.key, n.start, n.end) for n in victim_nodes
         ]
@@ -158,7 +158,7 @@ def test_same_salt_shares_across_processes(tmp_path):
     root = tmp_path / "store"
     store_victim(root, "llama")
     with PromptStore.open(root, hot_bytes=0) as store:
-        again = store.namespace(model, model_id=MODEL_ID, salt=VICTIM)
+        again = store.bind(model, model_id=MODEL_ID, salt=VICTIM)
         length, err = continuation_error(again, model, mx.concatenate([TURN, SYSTEM[:2]]))
         assert length == len(TURN) and err < TOL
 
@@ -169,8 +169,8 @@ def test_same_salt_shares_across_processes(tmp_path):
 def test_salted_and_unsalted_do_not_share(tmp_path, first, second):
     model = _model("llama")
     with PromptStore.open(tmp_path / "store", durability="sync") as store:
-        owner = store.namespace(model, model_id=MODEL_ID, salt=first)
-        other = store.namespace(model, model_id=MODEL_ID, salt=second)
+        owner = store.bind(model, model_id=MODEL_ID, salt=first)
+        other = store.bind(model, model_id=MODEL_ID, salt=second)
         prefill_insert(owner, model, SYSTEM)
         for tokens in (SYSTEM, mx.concatenate([SYSTEM, SYSTEM[:4]]), SYSTEM[:50]):
             hit = other.fetch(tokens)
@@ -206,8 +206,8 @@ def test_probe_timing_is_recorded(tmp_path, tier, monkeypatch, record_property, 
     control = mx.concatenate([(SYSTEM[:1] + 128) % 256, prompt_tokens(len(SYSTEM) - 1, seed=504)])
     assert control[0].item() != SYSTEM[0].item()
     with PromptStore.open(root, hot_bytes=0 if tier == "cold" else 1 << 30) as store:
-        victim = store.namespace(model, model_id=MODEL_ID, salt=VICTIM)
-        attacker = store.namespace(model, model_id=MODEL_ID, salt=ATTACKER)
+        victim = store.bind(model, model_id=MODEL_ID, salt=VICTIM)
+        attacker = store.bind(model, model_id=MODEL_ID, salt=ATTACKER)
         if tier == "hot":
             victim.fetch(TURN)
         spy = Spy(monkeypatch, store)

@@ -46,7 +46,7 @@ def main(store_dir: str, durability: str, seed: int, hot_bytes: int = HOT_BYTES)
     if sys.stdin.readline().strip() != "go":
         return 2
     with PromptStore.open(store_dir, durability=durability, hot_bytes=hot_bytes) as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         print("ready", flush=True)
         inserts = 0
         while True:

@@ -14,7 +14,7 @@ def main(store_dir: str, seed: int, rounds: int) -> int:
     base = mx.random.randint(0, 256, (48,), key=mx.random.key(100))  # shared by both processes
     bad = hits = 0
     with PromptStore.open(store_dir, durability="write_through") as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         for r in range(rounds):
             tail = mx.random.randint(0, 256, (16 + r % 7,), key=mx.random.key(seed * 1000 + r))
             tokens = mx.concatenate([base, tail])

@@ -22,7 +22,7 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "compact"
 def build(path, model, sequences, points=(24, 48), **settings):
     settings.setdefault("durability", "sync")
     with PromptStore.open(path, **settings) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         for tokens in sequences:
             hit = space.fetch(tokens)
             pos = hit.length
@@ -39,7 +39,7 @@ def files(path):
 def assert_serves(path, model, sequences):
     """Every hit is verified and continues exactly like a full prefill."""
     with PromptStore.open(path, hot_bytes=0) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         for tokens in sequences:
             hit = space.fetch(tokens)
             want = forward(model, fresh_cache(model), tokens)
@@ -168,7 +168,7 @@ def test_chains_merge_into_one_node(tmp_path, model_of, family):
     assert report.actions["merged chains"]["nodes"] >= 3
     assert compact(tmp_path, max_bytes=10**9).status == "clean"  # twice in a row: nothing more
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         nodes = list(store.index.iter_nodes(space.namespace))
         assert len(nodes) < before
         assert any(n.end == 30 for n in nodes)  # the branch point was not merged away
@@ -186,7 +186,7 @@ def test_a_corrupt_index_record_is_dropped_with_its_subtree(tmp_path, model_of, 
     model = model_of("llama")
     build(tmp_path, model, seqs)
     with PromptStore.open(tmp_path) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         victim = next(n for n in store.index.iter_nodes(space.namespace) if n.end == 24)
     env = lmdb.open(str(tmp_path / "index"), max_dbs=16)
     nodes = env.open_db(b"nodes")
@@ -201,4 +201,4 @@ def test_a_corrupt_index_record_is_dropped_with_its_subtree(tmp_path, model_of, 
     build(tmp_path, model, seqs)  # stores the lost nodes again
     assert_serves(tmp_path, model, seqs)
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        assert store.namespace(model, model_id="m").fetch(seqs[0]).length == len(seqs[0]) - 1
+        assert store.bind(model, model_id="m").fetch(seqs[0]).length == len(seqs[0]) - 1

@@ -55,7 +55,7 @@ def insert_chain(space, model, ends=(SHALLOW, DEEP)):
 def build(root: Path, family: str = "llama", model_id: str = "m") -> Stored:
     model = _model(family)
     with PromptStore.open(root, durability="sync") as store:
-        space = store.namespace(model, model_id=model_id)
+        space = store.bind(model, model_id=model_id)
         insert_chain(space, model)
         nodes = {n.end: (n.key, n.record.file) for n in store.index.iter_nodes(space.namespace)}
     assert sorted(nodes) == [SHALLOW, DEEP] and all(rel for _, rel in nodes.values())
@@ -75,7 +75,7 @@ def fetch_and_check(stored: Stored, model_id: str = "m", report_once: bool = Tru
     """Reopen (nothing hot), fetch twice; checks fidelity; returns (length, reports, counts)."""
     model = stored.model
     with PromptStore.open(stored.root, hot_bytes=0) as store:
-        space = store.namespace(model, model_id=model_id)
+        space = store.bind(model, model_id=model_id)
         hit = space.fetch(TOKENS)
         reports = list(store.tiers.reports)
         counts = dict(store.tiers.counts)
@@ -162,7 +162,7 @@ DAMAGE = {
 def test_undamaged_store_hits_from_files(stored):
     model = stored.model
     with PromptStore.open(stored.root, hot_bytes=0) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         hit = space.fetch(TOKENS)
         assert (hit.length, hit.cold_nodes) == (DEEP, 2)
         got = forward(model, hit.cache, TOKENS[DEEP:])
@@ -301,7 +301,7 @@ def test_reinserting_after_a_quarantine_serves_again(stored):
     _data_byte(stored, SHALLOW)
     model = stored.model
     with PromptStore.open(stored.root, durability="sync", hot_bytes=0) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         assert space.fetch(TOKENS).length == 0
         insert_chain(space, model)
     length, _, _ = fetch_and_check(stored)
@@ -327,7 +327,7 @@ def test_one_full_insert_heals_a_quarantined_node(tmp_path, family, which):
     _data_byte(stored, end)
     model = stored.model
     with PromptStore.open(stored.root, durability="sync", hot_bytes=0) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         hit = space.fetch(TOKENS[: DEEP + 1])
         assert hit.length == (SHALLOW if end == DEEP else 0)
         forward(model, hit.cache, TOKENS[hit.length : DEEP])
@@ -352,12 +352,12 @@ def test_fork_at_a_checkpoint_keeps_every_branch_servable(tmp_path, family):
     b = mx.concatenate([TOKENS[:SHALLOW], prompt_tokens(40, seed=99)])
     c = mx.concatenate([TOKENS[:SHALLOW], prompt_tokens(20, seed=5)])
     with PromptStore.open(tmp_path, durability="sync") as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         for seq in (a, b):
             insert_following_checkpoints(space, model, seq)
     got = {}
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         for name, seq in (("a", TOKENS), ("b", mx.concatenate([b, TOKENS[:5]])), ("c", c)):
             hit = space.fetch(seq)
             got[name] = hit.length

@@ -126,7 +126,7 @@ class Checker:
             self.reports.append(("open", repr(e)))
             return
         try:
-            space = store.namespace(self.model, model_id=MODEL_ID)
+            space = store.bind(self.model, model_id=MODEL_ID)
             for i, seq in enumerate(SEQS):
                 for n in (seq.size, self.rng.randint(2, seq.size)):
                     self.stats["fetches"] += 1
@@ -232,11 +232,11 @@ def test_nodes_lost_in_a_crash_are_stored_again(tmp_path):
     writer.kill()
     model = _model("llama")
     with PromptStore.open(root, durability="sync") as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         for seq in SEQS:
             hit = space.fetch(seq)
             forward(model, hit.cache, seq[hit.length :])
             space.insert(seq, hit.cache)
     with PromptStore.open(root, hot_bytes=0) as store:
-        space = store.namespace(model, model_id=MODEL_ID)
+        space = store.bind(model, model_id=MODEL_ID)
         assert [space.fetch(seq).length for seq in SEQS] == [seq.size - 1 for seq in SEQS]

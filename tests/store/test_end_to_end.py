@@ -41,7 +41,7 @@ def chat(model, tokenizer, space, turns=TURNS, max_tokens=12):
         if space is None:
             text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=max_tokens)
         else:
-            text = promptstore.generate(model, tokenizer, prompt, store=space, max_tokens=max_tokens)
+            text = promptstore.generate(model, tokenizer, prompt, space=space, max_tokens=max_tokens)
         replies.append(text)
     return replies
 
@@ -51,14 +51,14 @@ def test_replies_equal_replies_without_the_store(tmp_path, family):
     model, tokenizer = chat_model(family), demo_tokenizer()
     want = chat(model, tokenizer, None)
     with promptstore.PromptStore.open(tmp_path, checkpoint_interval=32) as store:
-        space = store.namespace(model, model_id=family)
+        space = store.bind(model, model_id=family)
         assert chat(model, tokenizer, space) == want
         space.flush_stats()  # hit counters are written in batches
         counters = store.index.counters(space.namespace)
         assert counters["hits"] >= 2 and counters["tokens_served"] > 0
     # After a restart the whole conversation is served from disk.
     with promptstore.PromptStore.open(tmp_path, hot_bytes=0) as store:
-        space = store.namespace(model, model_id=family)
+        space = store.bind(model, model_id=family)
         assert chat(model, tokenizer, space) == want
         last = conversation(tokenizer, TURNS, want[:-1] + ["x"])
         assert space.fetch(last).length > len(conversation(tokenizer, TURNS[:2], want[:1])) // 2
@@ -70,7 +70,7 @@ def test_forks_are_independent(tmp_path, family):
     model = chat_model(family)
     tokens = prompt_tokens(80, seed=11, vocab=512)
     with promptstore.PromptStore.open(tmp_path, checkpoint_interval=16, durability="sync") as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         hit = space.fetch(tokens[:64])
         forward(model, hit.cache, tokens[:64][hit.length :])
         space.insert(tokens[:64], hit.cache)
@@ -91,7 +91,7 @@ def test_fork_and_diverge_hits_the_shared_prefix(tmp_path):
     base = prompt_tokens(70, seed=13, vocab=512)
     branches = [mx.concatenate([base[:50], prompt_tokens(25, seed=20 + i, vocab=512)]) for i in range(3)]
     with promptstore.PromptStore.open(tmp_path, checkpoint_interval=16) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         for seq in [base] + branches:
             hit = space.fetch(seq)
             pos = hit.length

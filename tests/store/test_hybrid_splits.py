@@ -46,7 +46,7 @@ def then(tokens, seed):
 def test_the_lower_half_of_a_split_serves_whole(tmp_path, family):
     model = _model(family)
     with PromptStore.open(tmp_path, durability="sync") as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         prefill_insert(space, model, A)
         prefill_insert(space, model, B)  # splits [0, 40) at 17, where no recurrent state is known
         spans = sorted((n.start, n.end) for n in store.index.iter_nodes(space.namespace))
@@ -55,7 +55,7 @@ def test_the_lower_half_of_a_split_serves_whole(tmp_path, family):
             length, err = served(space, model, then(tokens, seed))
             assert length == len(tokens) and err < TOL, (length, err)
     with PromptStore.open(tmp_path, hot_bytes=0) as store:  # from disk, in a new store
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         length, err = served(space, model, then(A, 3))
         assert (length, list(store.tiers.reports)) == (len(A), []) and err < TOL
 
@@ -65,7 +65,7 @@ def test_a_prefill_through_the_branch_point_fills_its_checkpoint(tmp_path, famil
     model = _model(family)
     hybrid = family != "llama"
     with PromptStore.open(tmp_path, durability="sync") as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         prefill_insert(space, model, A)
         prefill_insert(space, model, B)
         at_branch = then(A[:BRANCH], 4)
@@ -81,7 +81,7 @@ def test_a_prefill_through_the_branch_point_fills_its_checkpoint(tmp_path, famil
     report = compact(tmp_path, verify=True)  # nothing to repair: no orphan, no bad file
     assert report.status != "failed" and set(report.actions) <= {"LMDB space"}, report.actions
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         for tokens, _seed in ((then(A[:BRANCH], 5), None), (then(A, 6), None), (then(B, 7), None)):
             length, err = served(space, model, tokens)
             assert length == len(tokens) - 3 and err < TOL, (length, err)
@@ -96,12 +96,12 @@ def test_a_checkpoint_the_caller_names_serves_the_second_conversation(tmp_path, 
     model = _model(family)
     first, second = (mx.concatenate([SYSTEM, prompt_tokens(12, seed=s)]) for s in (41, 42))
     with PromptStore.open(tmp_path / "told", durability="sync") as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         assert BRANCH in insert_following_checkpoints(space, model, first, checkpoints=(BRANCH,)).checkpoints
         length, err = served(space, model, second)
         assert length == BRANCH and err < TOL, (length, err)
     with PromptStore.open(tmp_path / "not told", durability="sync") as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         insert_following_checkpoints(space, model, first)
         assert space.fetch(second).length < BRANCH  # what the hint saves
 
@@ -109,7 +109,7 @@ def test_a_checkpoint_the_caller_names_serves_the_second_conversation(tmp_path, 
 def test_named_checkpoints_are_not_needed_by_attention_only_models(tmp_path):
     model = _model("llama")
     with PromptStore.open(tmp_path) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         assert space.fetch(A, checkpoints=(BRANCH,)).checkpoints == ()
 
 
@@ -118,7 +118,7 @@ def test_bad_checkpoints_are_a_typed_error(tmp_path, bad):
     from promptstore.errors import SnapshotRangeError
 
     with PromptStore.open(tmp_path) as store:
-        space = store.namespace(_model("qwen3_next"), model_id="m")
+        space = store.bind(_model("qwen3_next"), model_id="m")
         with pytest.raises(SnapshotRangeError):
             space.fetch(A, checkpoints=bad)
         assert store.index.namespaces() and list(store.index.iter_nodes(space.namespace)) == []

@@ -30,7 +30,7 @@ def test_two_processes_insert_and_fetch_at_once(tmp_path, model_of):
     # Afterwards one process sees both processes' inserts, all verified.
     model = model_of("llama")
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         base = mx.random.randint(0, 256, (48,), key=mx.random.key(100))
         for seed in (1, 2):
             tail = mx.random.randint(0, 256, (16,), key=mx.random.key(seed * 1000))

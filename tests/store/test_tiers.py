@@ -68,7 +68,7 @@ def test_least_valuable_leaves_first():
 
 
 def _fill(store, model, tokens, points):
-    space = store.namespace(model, model_id="m")
+    space = store.bind(model, model_id="m")
     hit = space.fetch(tokens)
     pos = hit.length
     for p in points:
@@ -143,7 +143,7 @@ def test_a_disk_that_refuses_writes_keeps_the_store_working(tmp_path, model_of, 
     after = [p.read_bytes() for p in _files(tmp_path)]
     assert all(b in after for b in before) and len(after) == 3
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        assert store.namespace(model, model_id="m").fetch(tokens).length == 69
+        assert store.bind(model, model_id="m").fetch(tokens).length == 69
 
 
 @pytest.fixture
@@ -189,7 +189,7 @@ def test_splitting_a_node_on_disk_leaves_no_orphan_file(tmp_path, model_of):
     with PromptStore.open(tmp_path, durability="sync") as store:
         _fill(store, model, a, [60])
         _fill(store, model, b, [60])  # splits [0, 60) at 30
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         named = {n.record.file for n in store.index.iter_nodes(space.namespace)}
     on_disk = {str(p.relative_to(tmp_path / "cold")) for p in _files(tmp_path)}
     assert on_disk == named and len(named) == 3
@@ -201,7 +201,7 @@ def test_a_path_of_cold_nodes_is_read_together_and_stops_at_a_bad_file(tmp_path,
     with PromptStore.open(tmp_path, durability="sync") as store:
         _fill(store, model, tokens, [30, 60, 89])
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         path = sorted(store.index.iter_nodes(space.namespace), key=lambda n: n.start)
         snaps, cold = store.tiers.get_path(path)
         assert [n.key for n in cold] == [n.key for n in path] and len(snaps) == 3
@@ -212,7 +212,7 @@ def test_a_path_of_cold_nodes_is_read_together_and_stops_at_a_bad_file(tmp_path,
         raw[-3] ^= 0x10
         middle.write_bytes(bytes(raw))
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         path = sorted(store.index.iter_nodes(space.namespace), key=lambda n: n.start)
         snaps, cold = store.tiers.get_path(path)
         assert len(snaps) == 1 and [n.key for n in cold] == [path[0].key]
@@ -225,7 +225,7 @@ def test_disk_budget_evicts_the_least_valuable_leaf_first(tmp_path, model_of):
     shared = prompt_tokens(20, seed=1)
     dear, cheap = (mx.concatenate([shared, prompt_tokens(20, seed=s)]) for s in (2, 3))
     with PromptStore.open(tmp_path, durability="sync") as store:
-        space = store.namespace(model, model_id="m")
+        space = store.bind(model, model_id="m")
         for tokens, seconds in ((dear, 10.0), (cheap, 0.001)):
             cache = fresh_cache(model)
             forward(model, cache, tokens)

@@ -617,7 +617,7 @@ class Store(Contender):
             prefill_step=engine.profile.prefill_step,
         )
         self.store = PromptStore.open(root, **self.settings)
-        self.space = self.store.namespace(engine.model, model_id=model_id)
+        self.space = self.store.bind(engine.model, model_id=model_id)
 
     def serve(self, req):
         out = Outcome(req.name, len(req.prompt))
@@ -999,7 +999,7 @@ def restart_phase(state_path: Path, result_path: Path, profile: Profile) -> None
     files = Files(engine, Path(state["files_dir"]), held=state["files_held"])
     # Probe the store from a hot-less instance, so the run below starts cold.
     probe = PromptStore.open(state["store_dir"], **dict(state["store_settings"], hot_bytes=0))
-    probe_space = probe.namespace(model, model_id=model_id)
+    probe_space = probe.bind(model, model_id=model_id)
     after = {
         "mlx-lm LRUPromptCache": sum(LRU(engine).probe(r) for r in requests),
         "mlx-lm cache files": sum(files.probe(r) for r in requests),

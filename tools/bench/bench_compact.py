@@ -30,7 +30,7 @@ from promptstore.testing.models import llama_1b_shape, tiny_model  # noqa: E402
 def conversation(path: Path, model, turns: int, turn_tokens: int) -> mx.array:
     tokens = mx.random.randint(0, 512, (turns * turn_tokens + 1,), key=mx.random.key(5))
     with PromptStore.open(path, durability="write_through") as store:
-        space = store.namespace(model, model_id="bench")
+        space = store.bind(model, model_id="bench")
         cache = make_prompt_cache(model)
         key = mx.random.key(0)
         for t in range(1, turns + 1):
@@ -47,7 +47,7 @@ def conversation(path: Path, model, turns: int, turn_tokens: int) -> mx.array:
 
 def fetch_times(path: Path, model, tokens, runs: int) -> dict:
     with PromptStore.open(path, hot_bytes=0) as store:
-        space = store.namespace(model, model_id="bench")
+        space = store.bind(model, model_id="bench")
         samples, nodes = [], 0
         for i in range(runs + 2):
             t0 = time.perf_counter()
@@ -63,7 +63,7 @@ def many_nodes(path: Path, n: int) -> None:
     """n small nodes: short sequences sharing prefixes, on a tiny model."""
     model = tiny_model("llama")
     with PromptStore.open(path, durability="write_through") as store:
-        space = store.namespace(model, model_id="tiny")
+        space = store.bind(model, model_id="tiny")
         for i in range(n // 2):
             toks = mx.random.randint(0, 256, (24,), key=mx.random.key(i))
             for end in (12, 24):

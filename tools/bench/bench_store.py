@@ -46,9 +46,9 @@ def workload(store_dir: Path) -> dict:
     demo.serve(model, tokenizer, None, [[rounds[0][0]]])  # warm-up
     plain = demo.serve(model, tokenizer, None, rounds)
     with PromptStore.open(store_dir, checkpoint_interval=256) as store:
-        fresh = demo.serve(model, tokenizer, store.namespace(model, model_id=model_id), rounds)
+        fresh = demo.serve(model, tokenizer, store.bind(model, model_id=model_id), rounds)
     with PromptStore.open(store_dir, checkpoint_interval=256, hot_bytes=0) as store:
-        cold = demo.serve(model, tokenizer, store.namespace(model, model_id=model_id), rounds)
+        cold = demo.serve(model, tokenizer, store.bind(model, model_id=model_id), rounds)
     same = all(a.reply == b.reply for a, b in zip(plain, fresh)) and all(
         a.reply == b.reply for a, b in zip(plain, cold)
     )
@@ -76,7 +76,7 @@ def restore_overhead(store_dir: Path, tokens: int, layers: int, runs: int) -> di
     model = llama_1b_shape(layers, dtype=mx.float16, vocab_size=512)
     toks = mx.random.randint(0, 512, (tokens + 1,), key=mx.random.key(3))
     with PromptStore.open(store_dir, durability="write_back") as store:
-        space = store.namespace(model, model_id="bench-1b-shape")
+        space = store.bind(model, model_id="bench-1b-shape")
         cache = make_prompt_cache(model)
         key = mx.random.key(0)
         for end in range(tokens // 4, tokens + 1, tokens // 4):
