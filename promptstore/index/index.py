@@ -267,9 +267,10 @@ class Index:
             lambda txn: trie.removable_leaf(txn, self._dbs, ns, key),
         )
 
-    def join_child(self, ns: Namespace, key: bytes, record: NodeRecord, expect=None) -> Node:
+    def join_child(self, ns: Namespace, key: bytes, record: NodeRecord, expect=None) -> tuple[Node, tuple[str, ...]]:
         """Merge node `key` with its only child into one node holding `record`
-        (NodeHasChildrenError if `key` is a branch point or a leaf).
+        (NodeHasChildrenError if `key` is a branch point or a leaf). Returns the
+        joined node and the files the two records named (read in the transaction).
 
         expect: the (node, child) the record was made from; StaleInsertError if
         either changed since (another process split or joined them).
@@ -284,7 +285,11 @@ class Index:
             check_record_layout(ns, record)
             return pair
 
-        return self._write(lambda txn, pair: trie.join_child(txn, self._dbs, pair, record), fits)
+        def join(txn, pair):
+            unnamed = tuple(f for n in pair for f in trie.file_of(n) if f != record.file)
+            return trie.join_child(txn, self._dbs, pair, record), unnamed
+
+        return self._write(join, fits)
 
     def corrupt_nodes(self) -> list[bytes]:
         """Keys of stored nodes that fail to decode or verify (a full scan)."""

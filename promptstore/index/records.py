@@ -18,6 +18,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from promptstore.errors import CorruptRecordError, RecordLayoutError
+from promptstore.identity import NodeId
 
 from .namespace import Namespace
 
@@ -97,6 +98,10 @@ class Node:
     stored: bytes = field(repr=False)  # the whole nodes-db value
     body_at: int = field(repr=False)  # where the record JSON starts in it
     _record: NodeRecord | None = field(default=None, repr=False)
+
+    @property
+    def id(self) -> NodeId:
+        return NodeId(self.key, self.namespace, self.start, self.end)
 
     @property
     def record_json(self) -> bytes:

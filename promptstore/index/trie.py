@@ -98,12 +98,15 @@ class InsertPlan:
 
 @dataclass(frozen=True)
 class InsertResult:
-    """key: the node that ends at len(tokens); created: new node keys; stored: new tokens."""
+    """key: the node that ends at len(tokens); created: new node keys; stored: new tokens;
+    unnamed: cold files that records named before this insert and name no more (a split
+    node's file spans its old edge), read inside the write transaction."""
 
     key: bytes
     created: tuple[bytes, ...]
     split: bytes | None
     stored: int
+    unnamed: tuple[str, ...] = ()
 
 
 SplitRecords = tuple[NodeRecord, NodeRecord]
@@ -355,7 +358,16 @@ def apply(txn: lmdb.Transaction, dbs: Dbs, checked: CheckedInsert) -> InsertResu
     split_key = p.split.upper_key if p.split else None
     end_key = p.leaf_key or split_key or p.path_keys[-1]
     m, n = p.span
-    return InsertResult(end_key, tuple(created), split_key, n - m)
+    unnamed = file_of(p.match.path[-1]) if p.split is not None else ()
+    return InsertResult(end_key, tuple(created), split_key, n - m, unnamed)
+
+
+def file_of(node: Node) -> tuple[str, ...]:
+    """The cold file a node's record names, if any (none when the record is unreadable)."""
+    try:
+        return (node.record.file,) if node.record.file else ()
+    except CorruptRecordError:
+        return ()
 
 
 def _split(txn, dbs, p: InsertPlan, upper: NodeRecord, lower: NodeRecord) -> None:

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..caches import FORMAT_VERSION, Snapshot, from_flat, to_flat
 from ..caches.serialize import METADATA_KEY, READABLE_VERSIONS, parse_record
 from ..errors import CacheError, ColdFileError, DiskWriteError
+from ..identity import NodeId
 from .safetensors_header import read_header
 
 NODE_KEY = "promptstore.node"
@@ -117,18 +118,48 @@ def _row_major_bytes(array: mx.array) -> memoryview:
     return memoryview(flat)
 
 
+def checked_header(path: Path, rel: str):
+    """The file's safetensors header and metadata, or ColdFileError (nothing read past it)."""
+    try:
+        return read_header(path)
+    except FileNotFoundError:
+        raise ColdFileError(f"{rel}: missing", "missing", rel) from None
+    except OSError as e:
+        raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
+    except (ValueError, RecursionError) as e:
+        raise ColdFileError(f"{rel}: bad header: {e}", "header", rel) from None
+
+
+def checked_identity(metadata, rel: str, node: NodeId) -> NodeFileMeta:
+    """The file's node record, if it says the file holds `node`; else ColdFileError."""
+    try:
+        meta = NodeFileMeta.model_validate(json.loads(metadata.get(NODE_KEY, "")))
+    except (ValidationError, ValueError, RecursionError):
+        raise ColdFileError(f"{rel}: no valid node record", "header", rel) from None
+    if meta.format_version not in READABLE_VERSIONS:
+        raise ColdFileError(f"{rel}: format version {meta.format_version}", "version", rel)
+    if (meta.key, meta.namespace, meta.start, meta.end) != (node.key.hex(), node.namespace.hex(), node.start, node.end):
+        raise ColdFileError(
+            f"{rel}: holds node {meta.key[:12]} [{meta.start}, {meta.end}) of namespace "
+            f"{meta.namespace[:12]}, expected {node.key.hex()[:12]} [{node.start}, {node.end})",
+            "identity",
+            rel,
+        )
+    return meta
+
+
 class PendingLoad:
     """A cold file MLX is reading; nothing of it is used before `result()` has
     checked its identity, record and every array's checksum."""
 
-    def __init__(self, tier: ColdTier, rel: str, key: bytes, namespace: bytes, start: int, end: int):
-        self.rel, self.span = rel, (start, end)
+    def __init__(self, tier: ColdTier, rel: str, node: NodeId):
+        self.rel, self.span = rel, (node.start, node.end)
         self.error: ColdFileError | None = None
         self.arrays: dict[str, mx.array] = {}
         try:
             path = tier.absolute(rel)
-            self.header, self.metadata = tier._header(path, rel)  # strict: MLX only opens a consistent layout
-            self.meta = tier._identity(self.metadata, rel, key, namespace, start, end)
+            self.header, self.metadata = checked_header(path, rel)  # strict: MLX only opens a consistent layout
+            self.meta = checked_identity(self.metadata, rel, node)
         except ColdFileError as e:
             self.error = e
             return
@@ -193,17 +224,17 @@ class ColdTier:
             except FileExistsError:
                 pass
 
-    def relative_path(self, key: bytes, start: int, end: int, tag: str = "") -> str:
-        """Where a file of the node `key` spanning [start, end) lives. `write` adds a
-        tag of its own, so two writers of one node (two processes spilling it, two
-        compacts joining it) never write, replace or delete each other's file."""
-        h = key.hex()
-        return f"files/{h[:2]}/{h[2:4]}/{h}-{start}-{end}{'-' + tag if tag else ''}{SUFFIX}"
+    def relative_path(self, node: NodeId, tag: str = "") -> str:
+        """Where a file of `node` lives. `write` adds a tag of its own, so two writers
+        of one node (two processes spilling it, two compacts joining it) never write,
+        replace or delete each other's file."""
+        h = node.key.hex()
+        return f"files/{h[:2]}/{h[2:4]}/{h}-{node.start}-{node.end}{'-' + tag if tag else ''}{SUFFIX}"
 
-    def owns(self, rel: str, key: bytes, start: int, end: int) -> bool:
+    def owns(self, rel: str, node: NodeId) -> bool:
         """Whether `rel` is a name `write` gives to a file of this node (so the file
         may be quarantined for it; a record could name any file)."""
-        stem = self.relative_path(key, start, end)[: -len(SUFFIX)]
+        stem = self.relative_path(node)[: -len(SUFFIX)]
         if rel == stem + SUFFIX:
             return True
         tag = rel[len(stem) + 1 : -len(SUFFIX)] if rel.startswith(stem + "-") and rel.endswith(SUFFIX) else ""
@@ -218,21 +249,21 @@ class ColdTier:
 
     # --- writing ---------------------------------------------------------------
 
-    def write(self, key: bytes, namespace: bytes, start: int, end: int, snapshots: Sequence[Snapshot]) -> FileRef:
+    def write(self, node: NodeId, snapshots: Sequence[Snapshot]) -> FileRef:
         """Write a node's snapshots durably; returns the ref to publish in the index."""
         arrays, metadata = to_flat(snapshots)
         sums = checksums(arrays)  # evaluates the arrays too
         meta = NodeFileMeta(
             format_version=FORMAT_VERSION,
-            key=key.hex(),
-            namespace=namespace.hex(),
-            start=start,
-            end=end,
+            key=node.key.hex(),
+            namespace=node.namespace.hex(),
+            start=node.start,
+            end=node.end,
             checksums=sums,
             record=xxhash.xxh3_128_hexdigest(metadata[METADATA_KEY].encode()),
         )
         metadata[NODE_KEY] = meta.model_dump_json()
-        rel = self.relative_path(key, start, end, secrets.token_hex(TAG_BYTES))
+        rel = self.relative_path(node, secrets.token_hex(TAG_BYTES))
         final = self.root / rel
         try:
             self._mkdirs(final.parent)
@@ -279,42 +310,15 @@ class ColdTier:
 
     # --- reading ---------------------------------------------------------------
 
-    def load(self, rel: str, *, key: bytes, namespace: bytes, start: int, end: int) -> list[Snapshot]:
+    def load(self, rel: str, node: NodeId) -> list[Snapshot]:
         """The node's verified snapshots, or ColdFileError saying what is wrong."""
-        return self.start_load(rel, key=key, namespace=namespace, start=start, end=end).result()
+        return self.start_load(rel, node).result()
 
-    def start_load(self, rel: str, *, key: bytes, namespace: bytes, start: int, end: int) -> PendingLoad:
+    def start_load(self, rel: str, node: NodeId) -> PendingLoad:
         """Check the file's header and let MLX start reading it; `.result()` then
         verifies it. Starting the loads of several nodes before taking any
         result reads the files back to back while earlier ones are hashed."""
-        return PendingLoad(self, rel, key, namespace, start, end)
-
-    def _header(self, path: Path, rel: str):
-        try:
-            return read_header(path)
-        except FileNotFoundError:
-            raise ColdFileError(f"{rel}: missing", "missing", rel) from None
-        except OSError as e:
-            raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
-        except (ValueError, RecursionError) as e:
-            raise ColdFileError(f"{rel}: bad header: {e}", "header", rel) from None
-
-    @staticmethod
-    def _identity(metadata, rel, key, namespace, start, end) -> NodeFileMeta:
-        try:
-            meta = NodeFileMeta.model_validate(json.loads(metadata.get(NODE_KEY, "")))
-        except (ValidationError, ValueError, RecursionError):
-            raise ColdFileError(f"{rel}: no valid node record", "header", rel) from None
-        if meta.format_version not in READABLE_VERSIONS:
-            raise ColdFileError(f"{rel}: format version {meta.format_version}", "version", rel)
-        if (meta.key, meta.namespace, meta.start, meta.end) != (key.hex(), namespace.hex(), start, end):
-            raise ColdFileError(
-                f"{rel}: holds node {meta.key[:12]} [{meta.start}, {meta.end}) of namespace "
-                f"{meta.namespace[:12]}, expected {key.hex()[:12]} [{start}, {end})",
-                "identity",
-                rel,
-            )
-        return meta
+        return PendingLoad(self, rel, node)
 
     # --- housekeeping ----------------------------------------------------------
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..caches import Snapshot
+from ..identity import NodeId
 from .value import value
 
 
@@ -30,7 +31,7 @@ class HotEntry:
     used_at: int = 0
     pins: int = 0
     dirty: bool = True  # not yet on disk
-    meta: dict = field(default_factory=dict)  # what the spiller needs (namespace, span)
+    node: NodeId | None = None  # the node (and span) the snapshots were made for
 
 
 def wire(budget: int) -> int | None:
@@ -67,7 +68,7 @@ class HotTier:
         *,
         prefill_seconds: float = 0.0,
         dirty: bool = True,
-        meta: dict | None = None,
+        node: NodeId | None = None,
     ) -> list[HotEntry]:
         """Hold `snapshots` for `key`; returns the entries evicted to make room."""
         with self.lock:
@@ -85,7 +86,7 @@ class HotTier:
                 self.clock,
                 0 if old is None else old.pins,
                 dirty,
-                meta or {},
+                node,
             )
             self.entries[key] = entry
             self.nbytes += nbytes

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from ..caches import Snapshot
 from ..errors import DiskWriteError
+from ..identity import NodeId
 from .cold import ColdTier, FileRef
 
 log = logging.getLogger("promptstore.snapshots")
@@ -25,10 +26,7 @@ log = logging.getLogger("promptstore.snapshots")
 
 @dataclass(eq=False)
 class SpillJob:
-    key: bytes
-    namespace: bytes
-    start: int
-    end: int
+    node: NodeId
     snapshots: list[Snapshot]
     done: threading.Event = field(default_factory=threading.Event)
     ref: FileRef | None = None
@@ -79,15 +77,15 @@ class Writer:
 
     def _do(self, job: SpillJob) -> None:
         try:
-            job.ref = self.cold.write(job.key, job.namespace, job.start, job.end, job.snapshots)
+            job.ref = self.cold.write(job.node, job.snapshots)
             self.publish(job)
         except DiskWriteError as e:
             job.error = e
-            log.warning("spill of %s failed; it stays in memory: %s", job.key.hex()[:12], e)
+            log.warning("spill of %s failed; it stays in memory: %s", job.node.key.hex()[:12], e)
             self.failed(job)
         except Exception as e:  # a bug must not kill the writer thread silently
             job.error = e
-            log.exception("spill of %s failed", job.key.hex()[:12])
+            log.exception("spill of %s failed", job.node.key.hex()[:12])
             self.failed(job)
         finally:
             job.done.set()

@@ -23,12 +23,10 @@ from ..errors import (
     NodeHasChildrenError,
     NodeNotFoundError,
     PromptStoreError,
-    StaleInsertError,
 )
 from ..index import Index
 from ..snapshots.cold import TEMP_MARK
 from .store import PromptStore
-from .tiers import unfile
 
 # Files younger than this may be a spill whose index entry is being written.
 ORPHAN_GRACE_S = 600.0
@@ -86,7 +84,7 @@ class Compactor:
 
     def __init__(self, store: PromptStore, report: CompactReport, tick: Callable[[str], None]):
         self.store, self.report, self.tick = store, report, tick
-        self.index, self.tiers, self.cold = store.index, store.tiers, store.tiers.cold
+        self.index, self.tiers, self.files = store.index, store.tiers, store.tiers.filing
         self.dry = report.dry_run
 
     # --- inventory ------------------------------------------------------------------
@@ -96,7 +94,7 @@ class Compactor:
         for ns in self.index.namespaces():
             for _node in self.index.iter_nodes(ns):
                 nodes += 1
-        for _, size in self.cold.iter_files():
+        for _, size in self.files.files():
             files += 1
             nbytes += size
         return {"nodes": nodes, "files": files, "bytes": nbytes}
@@ -117,7 +115,7 @@ class Compactor:
 
     def temp_files(self) -> None:
         """Spill files a dead writer left under their temporary names."""
-        for path in list(self.cold.iter_temp_files()):
+        for path in list(self.files.temp_files()):
             pid = _temp_pid(path)
             if pid is not None and (pid == os.getpid() or _pid_alive(pid)):
                 continue  # still being written (by another process, or this one's writer)
@@ -133,10 +131,10 @@ class Compactor:
     def dangling_entries(self) -> None:
         """Index entries whose file is missing: they point at nothing."""
         for rel, node in self._filed().items():
-            if (self.cold.root / rel).exists():
+            if self.files.path(rel).exists():
                 continue
             if not self.dry:
-                self._unfile(node)
+                self.files.unfile(node.id, rel)
             self.report.add("missing files", nodes=1)
             self.tick("missing files")
 
@@ -155,15 +153,14 @@ class Compactor:
         """Read every file and check it; bad ones are quarantined, never deleted."""
         for rel, node in self._filed().items():
             try:
-                self.cold.load(rel, key=node.key, namespace=node.namespace, start=node.start, end=node.end)
+                self.files.load(rel, node.id)
             except ColdFileError as e:
                 try:
-                    size = (self.cold.root / rel).stat().st_size
+                    size = self.files.path(rel).stat().st_size
                 except OSError:
                     size = 0
                 if not self.dry:
-                    self.cold.quarantine(rel)
-                    self._unfile(node)
+                    self.files.quarantine(node.id, e)
                 self.report.add(f"failed verify ({e.reason})", nodes=1, files=1, nbytes=size)
             self.tick("verify")
 
@@ -172,17 +169,17 @@ class Compactor:
         between unpublishing and deleting)."""
         named = set(self._filed())
         now = time.time()
-        for rel, size in list(self.cold.iter_files()):
+        for rel, size in list(self.files.files()):
             if rel in named:
                 continue
-            path = self.cold.root / rel
+            path = self.files.path(rel)
             try:
                 if now - path.stat().st_mtime < ORPHAN_GRACE_S and not self.idle:
                     continue  # possibly a spill about to be published
             except FileNotFoundError:
                 continue
             if not self.dry:
-                self.cold.delete(rel)
+                self.files.discard(rel)
             self.report.add("orphan files", files=1, nbytes=size)
             self.tick("orphan files")
 
@@ -252,7 +249,6 @@ class Compactor:
         if self.dry:
             self.report.add("merged chains", nodes=1, files=1)
             return False
-        ref = self.cold.write(child.key, node.namespace, node.start, child.end, layers)
         record = child.record.model_copy(
             update={
                 "layers": [
@@ -261,22 +257,13 @@ class Compactor:
                     )
                     for r, s in zip(child.record.layers, layers)
                 ],
-                "file": ref.path,
-                "nbytes": ref.nbytes,
-                "checksum": ref.checksum,
                 "tier": "cold",
                 "prefill_seconds": node.record.prefill_seconds + child.record.prefill_seconds,
                 "hits": max(node.record.hits, child.record.hits),
             }
         )
-        try:
-            self.index.join_child(ns, node.key, record, expect=(node, child))
-        except (NodeHasChildrenError, NodeNotFoundError, StaleInsertError):
-            self.cold.delete(ref.path)  # the trie changed under us: keep it as it is
+        if not self.files.join(ns, node, child, layers, record):
             return False
-        for old in (node.record.file, child.record.file):
-            if old and old != ref.path:
-                self.cold.delete(old)
         self.tiers.forget(node.key)
         self.tiers.forget(child.key)
         self.report.add("merged chains", nodes=1, files=1)
@@ -307,9 +294,6 @@ class Compactor:
                 if not self.dry:
                     self.index.bump(ns, **drift)
                 self.report.add("counters", nodes=len(drift))
-
-    def _unfile(self, node) -> None:
-        unfile(self.index, node, node.record.file)
 
     @property
     def idle(self) -> bool:

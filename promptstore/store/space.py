@@ -25,12 +25,12 @@ from ..errors import (
     CacheShapeError,
     CorruptRecordError,
     KeyCollisionError,
-    NodeNotFoundError,
     SettingsError,
     SnapshotRangeError,
     StaleInsertError,
     UnsupportedCacheError,
 )
+from ..identity import NodeId
 from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens
 
 if TYPE_CHECKING:
@@ -135,6 +135,10 @@ def _describe(signature: tuple) -> str:
 
 class _SplitDataUnavailable(Exception):
     """The snapshots of a node whose edge an insert must split are not here."""
+
+
+class _NodeChanged(Exception):
+    """A node an insert read was changed by another process before its record was replaced."""
 
 
 class Space:
@@ -318,7 +322,7 @@ class Space:
             plan = self.index.plan_insert(self.namespace, toks)
             try:
                 return self._commit(plan, toks, cache, prefill_seconds)
-            except StaleInsertError:
+            except (StaleInsertError, _NodeChanged):
                 continue
             except KeyCollisionError:
                 return 0
@@ -376,15 +380,9 @@ class Space:
                 continue
             snaps = self._snap_node(cache, node, position)
             record = self._record(snaps, None, node.end - node.start)
-            span = (node.start, node.end)
-            try:
-                self.index.update_record(
-                    node.key, record, expect=lambda n, span=span: (n.start, n.end) == span and not n.record.file
-                )
-            except (StaleInsertError, NodeNotFoundError, CorruptRecordError):
-                continue
-            self._put(node.key, (node.start, node.end), snaps, record.prefill_seconds)
-            self.tiers.counts["healed"] += 1
+            if self.tiers.filing.refile(node.id, None, record):
+                self._put(node.id, snaps, record.prefill_seconds)
+                self.tiers.counts["healed"] += 1
 
     def _snap_node(self, cache, node: Node, position: int) -> list:
         snaps = self._snap_span(cache, node.start, position)
@@ -396,10 +394,8 @@ class Space:
         self._heal(plan, cache, len(toks))
         start, end = plan.span
         split_records = None
-        uppers = lowers = split_file = None
+        uppers = lowers = None
         if plan.split is not None:
-            split_node = self._node(plan.split.key)
-            split_file = split_node.record.file if split_node is not None else None
             split_records, uppers, lowers = self._split(plan, cache, len(toks))
             if split_records is None:
                 raise _SplitDataUnavailable()
@@ -408,11 +404,11 @@ class Space:
         if new is None and plan.split is None and fill is None:
             return 0
         record = self._record(new, prefill_seconds, end - start) if new is not None else None
-        result = self.index.commit_insert(plan, record, split_records)
+        result = self.tiers.filing.commit_insert(plan, record, split_records)
         if plan.split is not None:
-            self._place_split(plan, uppers, lowers, split_file)
+            self._place_split(plan, uppers, lowers)
         if new is not None:
-            self._put(result.key, (start, end), new, record.prefill_seconds)
+            self._put(NodeId(result.key, self.namespace.key, start, end), new, record.prefill_seconds)
         if fill is not None:
             fill()
         return end - start  # the index counts tokens_stored itself
@@ -456,24 +452,19 @@ class Space:
         lower_rec = self._record(lowers, seconds * (1 - frac), 0)
         return (upper_rec, lower_rec), uppers, lowers
 
-    def _place_split(self, plan, uppers, lowers, old_file) -> None:
+    def _place_split(self, plan, uppers, lowers) -> None:
         self.tiers.forget(plan.split.key)
-        if old_file:
-            self.tiers.cold.delete(old_file)  # it spans the old edge: no record names it now
-        split = plan.split
-        for key, span, snaps in (
-            (split.upper_key, (split.start, split.at), uppers),
-            (split.key, (split.at, split.end), lowers),
-        ):
-            self._put(key, span, snaps, None)
+        split, ns = plan.split, self.namespace.key
+        self._put(NodeId(split.upper_key, ns, split.start, split.at), uppers, None)
+        self._put(NodeId(split.key, ns, split.at, split.end), lowers, None)
 
-    def _put(self, key: bytes, span: tuple[int, int], snaps, seconds) -> None:
-        """Hold snapshots for the span they were made for; if another process
+    def _put(self, node_id: NodeId, snaps, seconds) -> None:
+        """Hold snapshots for the node they were made for; if another process
         changed the node since, they are not its data."""
-        node = self._node(key)
-        if node is None or (node.start, node.end) != span:
+        node = self._node(node_id.key)
+        if node is None or node.id != node_id:
             return
-        self.tiers.put(node, snaps, node.record.prefill_seconds if seconds is None else seconds)
+        self.tiers.put(node_id, snaps, node.record.prefill_seconds if seconds is None else seconds)
 
     def _fill_checkpoint(self, plan, cache):
         """All tokens are stored and end at a node: fill its missing whole-state layers."""
@@ -497,17 +488,10 @@ class Space:
             if any(s is None or not s.complete for s in merged):
                 return
             new_record = self._record(merged, record.prefill_seconds, 0)
-            span, old_file = (node.start, node.end), record.file
-            # StaleInsertError (another process changed the node) retries the insert.
-            self.index.update_record(
-                node.key,
-                new_record.model_copy(update={"file": None}),
-                expect=lambda n: (n.start, n.end) == span and n.record.file == old_file,
-            )
+            if not self.tiers.filing.refile(node.id, record.file, new_record.model_copy(update={"file": None})):
+                raise _NodeChanged()  # another process changed it: plan the insert again
             self.tiers.forget(node.key)
-            self._put(node.key, span, merged, record.prefill_seconds)
-            if old_file:
-                self.tiers.cold.delete(old_file)  # no record names it now (a crash here leaves an orphan)
+            self._put(node.id, merged, record.prefill_seconds)
 
         return fill
 

@@ -1,9 +1,7 @@
 """Tiers: a node's snapshots in memory, on disk, and the moves between them.
 
-Composes the hot tier, the cold tier, the background writer and the index
-records that say where each node's file is. A file is written before the
-index points at it; an evicted node leaves the index before its file goes, so
-a crash leaves an orphan file (which compact reclaims), never a dangling entry.
+Composes the hot tier, the cold tier and the background writer; what the index
+records of each node's file changes only through Filing (store/filing.py).
 Anything wrong with a file is a miss plus a report, never an exception.
 """
 
@@ -22,11 +20,13 @@ import mlx.core as mx
 
 from ..caches import Snapshot
 from ..config import Settings
-from ..errors import ColdFileError, CorruptRecordError, NodeHasChildrenError, NodeNotFoundError, StaleInsertError
+from ..errors import ColdFileError, CorruptRecordError
+from ..identity import NodeId
 from ..index import Index, Node
 from ..snapshots import ColdTier, HotTier, SpillJob, Writer
 from ..snapshots.cold import PendingLoad
 from ..snapshots.value import value
+from .filing import Filing, filed
 
 log = logging.getLogger("promptstore.store")
 
@@ -41,18 +41,6 @@ class Report:
     at: float = field(default_factory=time.time)
 
 
-def unfile(index: Index, node: Node, path: str) -> bool:
-    """Stop the index pointing at `path` for this node, if it still does."""
-    try:
-        record = node.record.model_copy(update={"file": None, "checksum": None, "tier": "hot"})
-        index.update_record(
-            node.key, record, expect=lambda n: (n.start, n.end) == (node.start, node.end) and n.record.file == path
-        )
-        return True
-    except (NodeNotFoundError, CorruptRecordError, StaleInsertError):
-        return False
-
-
 class Tiers:
     """Snapshots of every namespace of one store, for this process."""
 
@@ -62,54 +50,49 @@ class Tiers:
             root / "cold", file_mode=settings.file_mode, dir_mode=settings.dir_mode, fsync=settings.fsync
         )
         self.hot = HotTier(settings.hot_bytes)
+        self.counts: Counter = Counter()
+        self.filing = Filing(index, self.cold, self.counts)
         self.writer = Writer(self.cold, self._publish, self._failed, settings.writer_queue)
         self.pending: dict[bytes, SpillJob] = {}  # evicted from memory, not yet on disk
         self.stranded: dict[bytes, SpillJob] = {}  # could not be written: kept in memory
         self.reports: deque[Report] = deque(maxlen=1000)
-        self.counts: Counter = Counter()
         self.lock = threading.RLock()
 
     # --- placing ------------------------------------------------------------------
 
-    def put(self, node: Node, snapshots: list[Snapshot], prefill_seconds: float = 0.0) -> None:
+    def put(self, node: NodeId, snapshots: list[Snapshot], prefill_seconds: float = 0.0) -> None:
         """Hold a node's snapshots and spill per the durability setting."""
         mx.eval([a for s in snapshots if s is not None for a in s.all_arrays()])
-        meta = {"namespace": node.namespace, "start": node.start, "end": node.end}
-        evicted = self.hot.put(node.key, snapshots, prefill_seconds=prefill_seconds, meta=meta)
+        evicted = self.hot.put(node.key, snapshots, prefill_seconds=prefill_seconds, node=node)
         mode = self.settings.durability
         if mode == "sync":
-            self.writer.write_now(self._job(node.key, snapshots, meta))
+            self.writer.write_now(SpillJob(node, snapshots))
         elif mode == "write_through":
-            self._submit(self._job(node.key, snapshots, meta))
+            self._submit(SpillJob(node, snapshots))
         for entry in evicted:
             if entry.dirty and not (entry.key == node.key and mode != "write_back"):
-                self._submit(self._job(entry.key, entry.snapshots, entry.meta))
+                self._submit(SpillJob(entry.node, entry.snapshots))
 
     def forget(self, key: bytes) -> None:
         """Drop a node's in-memory snapshots (its span changed or it was removed)."""
         self.hot.pop(key)
 
-    @staticmethod
-    def _job(key, snapshots, meta) -> SpillJob:
-        return SpillJob(key, meta["namespace"], meta["start"], meta["end"], snapshots)
-
     def _submit(self, job: SpillJob) -> None:
         with self.lock:
-            self.pending[job.key] = job
+            self.pending[job.node.key] = job
         self.writer.submit(job)
 
     # --- serving ------------------------------------------------------------------
 
     def has(self, node: Node) -> bool:
         """Whether the node's data is held here or named on disk (without loading it)."""
-        span = (node.namespace, node.start, node.end)
         entry = self.hot.entries.get(node.key)
-        if entry is not None and (entry.meta["namespace"], entry.meta["start"], entry.meta["end"]) == span:
+        if entry is not None and entry.node == node.id:
             return True
         with self.lock:
             for jobs in (self.pending, self.stranded):
                 job = jobs.get(node.key)
-                if job is not None and (job.namespace, job.start, job.end) == span:
+                if job is not None and job.node == node.id:
                     return True
         try:
             return bool(node.record.file)
@@ -148,14 +131,13 @@ class Tiers:
 
     def _held(self, node: Node) -> list[Snapshot] | None:
         """The node's snapshots if this process holds them (hot, or queued for disk)."""
-        span = (node.namespace, node.start, node.end)
         entry = self.hot.get(node.key)
-        if entry is not None and (entry.meta["namespace"], entry.meta["start"], entry.meta["end"]) == span:
+        if entry is not None and entry.node == node.id:
             return entry.snapshots
         with self.lock:
             for jobs in (self.pending, self.stranded):
                 job = jobs.get(node.key)
-                if job is not None and (job.namespace, job.start, job.end) == span:
+                if job is not None and job.node == node.id:
                     return job.snapshots
         return None
 
@@ -167,7 +149,7 @@ class Tiers:
             return None
         if record.file is None:
             return None
-        return self.cold.start_load(record.file, key=node.key, namespace=node.namespace, start=node.start, end=node.end)
+        return self.cold.start_load(record.file, node.id)
 
     def _finish_load(self, node: Node, pending) -> list[Snapshot] | None:
         try:
@@ -176,20 +158,17 @@ class Tiers:
             self._bad_file(node, e)
             return None
         self.counts["cold_loads"] += 1
-        meta = {"namespace": node.namespace, "start": node.start, "end": node.end}
         for entry in self.hot.put(
-            node.key, snapshots, prefill_seconds=node.record.prefill_seconds, dirty=False, meta=meta
+            node.key, snapshots, prefill_seconds=node.record.prefill_seconds, dirty=False, node=node.id
         ):
             if entry.dirty:
-                self._submit(self._job(entry.key, entry.snapshots, entry.meta))
+                self._submit(SpillJob(entry.node, entry.snapshots))
         return snapshots
 
     def _bad_file(self, node: Node, error: ColdFileError) -> None:
         """A miss: report it, quarantine the file, and stop pointing at it."""
         self.report(error.reason, node.key, str(error))
-        if error.reason != "missing" and self.cold.owns(error.path, node.key, node.start, node.end):
-            self.cold.quarantine(error.path)  # never a file the record merely names
-        unfile(self.index, node, error.path)
+        self.filing.quarantine(node.id, error)
 
     def report(self, reason: str, key: bytes, detail: str) -> None:
         self.counts[f"miss_{reason}"] += 1
@@ -199,48 +178,25 @@ class Tiers:
     # --- the writer's callbacks (writer thread) -----------------------------------
 
     def _publish(self, job: SpillJob) -> None:
+        key = job.node.key
         try:
-            self._record_file(job)
+            if self.filing.publish(job, "both" if key in self.hot else "cold"):
+                self.hot.mark_clean(key)
         finally:
             # Only now: until the index names the file, the job is what serves the node.
             with self.lock:
-                if self.pending.get(job.key) is job:
-                    del self.pending[job.key]
-                self.stranded.pop(job.key, None)
-
-    def _record_file(self, job: SpillJob) -> None:
-        ref = job.ref
-        try:
-            node = self.index.get(job.key)
-            if node is None or (node.namespace, node.start, node.end) != (job.namespace, job.start, job.end):
-                self.cold.delete(ref.path)  # the node was split or removed meanwhile
-                self.counts["spills_dropped"] += 1
-                return
-            old = node.record.file
-            tier = "both" if job.key in self.hot else "cold"
-            record = node.record.model_copy(
-                update={"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": tier}
-            )
-            span = (job.namespace, job.start, job.end)
-            self.index.update_record(
-                job.key, record, expect=lambda n: (n.namespace, n.start, n.end) == span and n.record.file == old
-            )
-        except (NodeNotFoundError, CorruptRecordError, StaleInsertError):
-            self.cold.delete(ref.path)  # the node changed meanwhile: this file is not its
-            self.counts["spills_dropped"] += 1
-            return
-        if old and old != ref.path:
-            self.cold.delete(old)
-        self.hot.mark_clean(job.key)
-        self.counts["spills"] += 1
+                if self.pending.get(key) is job:
+                    del self.pending[key]
+                self.stranded.pop(key, None)
 
     def _failed(self, job: SpillJob) -> None:
+        key = job.node.key
         with self.lock:
-            if self.pending.get(job.key) is job:
-                del self.pending[job.key]
-            if job.key not in self.hot:
-                self.stranded[job.key] = job
-        self.report("disk", job.key, str(job.error))
+            if self.pending.get(key) is job:
+                del self.pending[key]
+            if key not in self.hot:
+                self.stranded[key] = job
+        self.report("disk", key, str(job.error))
 
     # --- budgets and shutdown -------------------------------------------------------
 
@@ -250,25 +206,20 @@ class Tiers:
         with self.lock:
             retry = list(self.stranded.values())
         for job in retry:
-            self._submit(SpillJob(job.key, job.namespace, job.start, job.end, job.snapshots))
+            self._submit(SpillJob(job.node, job.snapshots))
         self.writer.flush()
 
     def spill_all(self) -> None:
         """Put every node that is only in memory on disk (close, whatever the durability)."""
         for entry in self.hot.dirty_entries():
-            self._submit(self._job(entry.key, entry.snapshots, entry.meta))
+            self._submit(SpillJob(entry.node, entry.snapshots))
         self.flush()
 
     def cold_bytes(self) -> int:
         return sum(n.record.nbytes for n in self._filed())
 
     def _filed(self):
-        for node in self.index.iter_by_access():
-            try:
-                if node.record.file:
-                    yield node
-            except CorruptRecordError:
-                continue
+        return filed(self.index.iter_by_access())
 
     def evict_cold(self, budget: int | None = None) -> tuple[int, int]:
         """Evict leaves with files, least valuable first, until the cold tier is
@@ -290,13 +241,9 @@ class Tiers:
         heapq.heapify(heap)
         while total > budget and heap:
             victim = nodes.pop(heapq.heappop(heap)[2])
-            try:
-                ns = self.index.namespace(victim.namespace)
-                self.index.remove(ns, victim.key)  # the entry first: a crash leaves an orphan file
-            except (NodeHasChildrenError, NodeNotFoundError):
+            if self.filing.retire(self.index.namespace(victim.namespace), victim.id) is None:
                 continue  # another process changed it meanwhile
             self.forget(victim.key)
-            self.cold.delete(victim.record.file)
             removed, freed, total = removed + 1, freed + victim.record.nbytes, total - victim.record.nbytes
             parent = nodes.get(victim.parent)
             if parent is not None and self.index.is_leaf(parent.key):

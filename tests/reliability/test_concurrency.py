@@ -23,6 +23,7 @@ import mlx.core as mx
 import pytest
 
 from promptstore import PromptStore
+from promptstore.identity import NodeId
 from promptstore.index import NodeRecord
 from promptstore.snapshots.cold import TEMP_MARK
 from promptstore.store.compact import compact
@@ -315,7 +316,7 @@ def test_a_file_removed_right_after_its_rename_is_a_disk_write_error(tmp_path, m
     # Either the write reports success (the file was published; its later load is
     # a reported miss) or a DiskWriteError: never a bare FileNotFoundError.
     try:
-        ref = tier.write(b"k" * 16, b"n" * 16, 0, 10, snaps)
+        ref = tier.write(NodeId(b"k" * 16, b"n" * 16, 0, 10), snaps)
         assert ref.nbytes > 0
     except DiskWriteError:
         pass

@@ -429,8 +429,8 @@ def test_a_self_consistent_file_of_another_kind_is_a_miss(guard, model_of):
         other = _model("llama", "hd32")
         quantized = _model_cache(other, tokens, kv_bits=8)
         tier = ColdTier(guard.root / "cold")
-        ref = tier.write(node.key, node.namespace, node.start, node.end, [c.snapshot(0) for c in quantized])
-        assert tier.owns(ref.path, node.key, node.start, node.end)
+        ref = tier.write(node.id, [c.snapshot(0) for c in quantized])
+        assert tier.owns(ref.path, node.id)
         os.replace(tier.absolute(ref.path), tier.absolute(node.record.file))  # in place of the node's own file
     with PromptStore.open(guard.root, hot_bytes=0) as store:
         space = store.bind(model, model_id=MODEL_ID)

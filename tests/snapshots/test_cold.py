@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from promptstore import caches as C
 from promptstore.caches.serialize import METADATA_KEY as SNAPSHOTS_KEY
 from promptstore.errors import ColdFileError
+from promptstore.identity import NodeId
 from promptstore.snapshots.cold import NODE_KEY, TEMP_MARK, ColdTier
 from promptstore.testing import models
 
@@ -44,12 +45,12 @@ def span(snaps):
 
 def put(tier: ColdTier, snaps, key=KEY, ns=NS):
     start, end = span(snaps)
-    return tier.write(key, ns, start, end, snaps)
+    return tier.write(NodeId(key, ns, start, end), snaps)
 
 
 def load(tier: ColdTier, rel: str, snaps, key=KEY, ns=NS):
     start, end = span(snaps)
-    return tier.load(rel, key=key, namespace=ns, start=start, end=end)
+    return tier.load(rel, NodeId(key, ns, start, end))
 
 
 def same(a, b) -> bool:
@@ -374,7 +375,7 @@ def test_file_of_another_namespace_is_an_identity_error(tmp_path):
     ref = put(mine, [snap], KEY, NS)
     other = put(theirs, [snap], KEY, OTHER_NS)
     # Same key and span: each write names its file with a tag of its own, both this node's.
-    assert other.path != ref.path and mine.owns(other.path, KEY, *span([snap]))
+    assert other.path != ref.path and mine.owns(other.path, NodeId(KEY, NS, *span([snap])))
     os.replace(path_of(theirs, other.path), path_of(mine, ref.path))
     with pytest.raises(ColdFileError) as info:
         load(mine, ref.path, [snap], KEY, NS)
@@ -383,7 +384,7 @@ def test_file_of_another_namespace_is_an_identity_error(tmp_path):
 
 def test_missing_file(tier):
     snap = driver_snapshot("kv", 5)
-    rel = tier.relative_path(KEY, 5, 21)
+    rel = tier.relative_path(NodeId(KEY, NS, 5, 21))
     with pytest.raises(ColdFileError) as info:
         load(tier, rel, [snap])
     assert info.value.reason == "missing"
@@ -430,7 +431,7 @@ def test_symlink_in_place_of_a_file(tmp_path, tier, target):
         "/dev/zero": "/dev/zero",
         "dangling": tmp_path / "nothing-here",
     }
-    rel = tier.relative_path(KEY, 5, 21)
+    rel = tier.relative_path(NodeId(KEY, NS, 5, 21))
     path_of(tier, rel).parent.mkdir(parents=True, exist_ok=True)
     path_of(tier, rel).symlink_to(targets[target])
     with deadline(5.0):
@@ -440,7 +441,7 @@ def test_symlink_in_place_of_a_file(tmp_path, tier, target):
 
 def test_directory_in_place_of_a_file(tier):
     snap = driver_snapshot("kv", 5)
-    rel = tier.relative_path(KEY, 5, 21)
+    rel = tier.relative_path(NodeId(KEY, NS, 5, 21))
     path_of(tier, rel).mkdir(parents=True)
     with pytest.raises(ColdFileError) as info:
         load(tier, rel, [snap])
@@ -451,7 +452,7 @@ def test_directory_in_place_of_a_file(tier):
 # and never checks S_ISREG: a FIFO in place of a file blocks load() forever
 def test_fifo_in_place_of_a_file_does_not_block(tier):
     snap = driver_snapshot("kv", 5)
-    rel = tier.relative_path(KEY, 5, 21)
+    rel = tier.relative_path(NodeId(KEY, NS, 5, 21))
     path_of(tier, rel).parent.mkdir(parents=True)
     os.mkfifo(path_of(tier, rel))
     with deadline(2.0):
@@ -523,7 +524,7 @@ def test_flipped_snapshot_scalar_is_detected(tier, what):
 
 
 def write_raw(tier, raw: bytes) -> str:
-    rel = tier.relative_path(KEY, 5, 21)
+    rel = tier.relative_path(NodeId(KEY, NS, 5, 21))
     path = path_of(tier, rel)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(raw)
@@ -863,7 +864,7 @@ def test_two_writes_of_one_node_never_share_a_file(tier):
     snap = driver_snapshot("kv", 5)
     first, second = put(tier, [snap]), put(tier, [snap])
     assert first.path != second.path
-    assert all(tier.owns(r.path, KEY, *span([snap])) for r in (first, second))
+    assert all(tier.owns(r.path, NodeId(KEY, NS, *span([snap]))) for r in (first, second))
     tier.delete(second.path)
     assert outcome(tier, first.path, [snap]) == "equal"
 
@@ -879,10 +880,12 @@ def test_two_writes_of_one_node_never_share_a_file(tier):
     ],
 )
 def test_owns_only_names_write_gives(tier, rel):
-    own = tier.relative_path(KEY, 5, 21)[: -len(".safetensors")]
+    own = tier.relative_path(NodeId(KEY, NS, 5, 21))[: -len(".safetensors")]
     base = own.rsplit("-", 2)[0]
-    assert not tier.owns(rel.replace("{own}-5-21", own).replace("{own}-5-22", base + "-5-22"), KEY, 5, 21)
-    assert tier.owns(own + ".safetensors", KEY, 5, 21) and tier.owns(own + "-0123abcd.safetensors", KEY, 5, 21)
+    assert not tier.owns(rel.replace("{own}-5-21", own).replace("{own}-5-22", base + "-5-22"), NodeId(KEY, NS, 5, 21))
+    assert tier.owns(own + ".safetensors", NodeId(KEY, NS, 5, 21)) and tier.owns(
+        own + "-0123abcd.safetensors", NodeId(KEY, NS, 5, 21)
+    )
 
 
 def _big_snapshots(layers=3, tokens=1024):
@@ -943,7 +946,7 @@ def test_a_file_truncated_while_mlx_reads_it_is_a_miss_or_served_whole(tier):
     snaps = _big_snapshots(layers=2)
     ref = put(tier, snaps)
     start, end = span(snaps)
-    pending = tier.start_load(ref.path, key=KEY, namespace=NS, start=start, end=end)
+    pending = tier.start_load(ref.path, NodeId(KEY, NS, start, end))
     path = path_of(tier, ref.path)
     os.truncate(path, path.stat().st_size // 2)
     try:

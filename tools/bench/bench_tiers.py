@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import blas_info, summarize, sync, timed, write_results  # noqa: E402
 
 from promptstore.caches import make_prompt_cache, snapshot_prompt_cache, to_flat  # noqa: E402
+from promptstore.identity import NodeId
 from promptstore.snapshots.cold import ColdTier, checksum, checksums  # noqa: E402
 from promptstore.testing.models import model_args  # noqa: E402
 
@@ -104,7 +105,9 @@ def main(argv=None) -> int:
         # much cheaper here: its dirty pages are dropped, never written back);
         # each file is deleted after its timing.
         def cold_write():
-            return cold.root / cold.write(next(counter).to_bytes(16, "big"), NAMESPACE, 0, args.tokens, snaps).path
+            return (
+                cold.root / cold.write(NodeId(next(counter).to_bytes(16, "big"), NAMESPACE, 0, args.tokens), snaps).path
+            )
 
         def save_new():
             path = str(work / f"plain-{next(counter)}.safetensors")
@@ -119,14 +122,10 @@ def main(argv=None) -> int:
         plain = str(work / "plain.safetensors")
         mx.save_safetensors(plain, arrays, metadata)
 
-        ref = cold.write(KEY, NAMESPACE, 0, args.tokens, snaps)
+        ref = cold.write(NodeId(KEY, NAMESPACE, 0, args.tokens), snaps)
 
         def cold_load():
-            return [
-                a
-                for s in cold.load(ref.path, key=KEY, namespace=NAMESPACE, start=0, end=args.tokens)
-                for a in s.all_arrays()
-            ]
+            return [a for s in cold.load(ref.path, NodeId(KEY, NAMESPACE, 0, args.tokens)) for a in s.all_arrays()]
 
         def mx_load():
             return list(mx.load(plain).values())

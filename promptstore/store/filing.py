@@ -1,0 +1,175 @@
+"""Filing: the one owner of a node's life on disk.
+
+Every change to which cold file a node's record names goes through here:
+publishing a spilled file, re-filing a node whose snapshots changed, splitting,
+joining, retiring. One staleness rule guards each change (the stored node still
+has the identity it was read with, and its record still names the file it named
+then), and a file is removed only after the index transaction that stops naming
+it has committed: a crash in between leaves an orphan for compact, never a
+record that names nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..caches import Snapshot
+from ..errors import ColdFileError, CorruptRecordError, NodeHasChildrenError, NodeNotFoundError, StaleInsertError
+from ..identity import NodeId
+from ..index import Index, InsertPlan, InsertResult, Namespace, Node, NodeRecord
+from ..snapshots import ColdTier, SpillJob
+
+log = logging.getLogger("promptstore.store")
+
+# The exceptions that mean "the node is not what it was when read": the change is dropped.
+STALE = (StaleInsertError, NodeNotFoundError, CorruptRecordError)
+
+
+def unchanged(node: NodeId, file: str | None) -> Callable[[Node], bool]:
+    """The staleness rule: the stored node has this identity and its record names `file`."""
+    return lambda n: n.id == node and n.record.file == file
+
+
+class Filing:
+    """Publishes, re-files and retires the cold files of one store's nodes."""
+
+    def __init__(self, index: Index, cold: ColdTier, counts: Counter):
+        self.index, self.cold, self.counts = index, cold, counts
+
+    @contextmanager
+    def after_commit(self) -> Iterator[list[str]]:
+        """Yields a list of files to remove once the block (an index transaction)
+        has committed; if it raises, nothing is removed."""
+        doomed: list[str] = []
+        yield doomed
+        for rel in doomed:
+            if rel:
+                self.cold.delete(rel)
+
+    # --- naming files -------------------------------------------------------------
+
+    def publish(self, job: SpillJob, tier: str) -> bool:
+        """Name the file a spill wrote in its node's record (tier: "cold", or "both"
+        while memory holds it too). A node that was split, joined or removed
+        meanwhile does not get it, and the file goes."""
+        ref = job.ref
+        try:
+            node = self.index.get(job.node.key)
+            if node is None or node.id != job.node:
+                raise NodeNotFoundError(f"node {job.node} changed before its spill was published")
+            old = node.record.file
+            record = node.record.model_copy(
+                update={"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": tier}
+            )
+            with self.after_commit() as doomed:
+                self.index.update_record(job.node.key, record, expect=unchanged(job.node, old))
+                doomed.append(old if old != ref.path else None)
+        except STALE:
+            self.cold.delete(ref.path)  # never named: it is not the node's file
+            self.counts["spills_dropped"] += 1
+            return False
+        self.counts["spills"] += 1
+        return True
+
+    def refile(self, node: NodeId, old_file: str | None, record: NodeRecord) -> bool:
+        """Replace the record of a node that still names `old_file` (a checkpoint
+        filled in, data healed); the old file goes once no record names it."""
+        try:
+            with self.after_commit() as doomed:
+                self.index.update_record(node.key, record, expect=unchanged(node, old_file))
+                doomed.append(old_file if old_file != record.file else None)
+        except STALE:
+            return False
+        return True
+
+    def unfile(self, node: NodeId, file: str) -> bool:
+        """Stop the record naming `file` (missing, or quarantined by the caller)."""
+        try:
+            current = self.index.get(node.key)
+            if current is None:
+                return False
+            record = current.record.model_copy(update={"file": None, "checksum": None, "tier": "hot"})
+            self.index.update_record(node.key, record, expect=unchanged(node, file))
+        except STALE:
+            return False
+        return True
+
+    def commit_insert(self, plan: InsertPlan, record: NodeRecord | None, split_records) -> InsertResult:
+        """The index's commit_insert; a split node's old file goes after it."""
+        with self.after_commit() as doomed:
+            result = self.index.commit_insert(plan, record, split_records)
+            doomed.extend(result.unnamed)
+        return result
+
+    def join(self, ns: Namespace, node: Node, child: Node, snapshots: list[Snapshot], record: NodeRecord) -> bool:
+        """Write the joined snapshots and replace node and child by one node; both old
+        files go after the join commits. `record` is filled in with the new file."""
+        ref = self.cold.write(NodeId(child.key, node.namespace, node.start, child.end), snapshots)
+        record = record.model_copy(update={"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum})
+        try:
+            with self.after_commit() as doomed:
+                _, unnamed = self.index.join_child(ns, node.key, record, expect=(node, child))
+                doomed.extend(unnamed)
+        except (NodeHasChildrenError, *STALE):
+            self.cold.delete(ref.path)  # the trie changed under us: keep it as it is
+            return False
+        return True
+
+    # --- retiring files -------------------------------------------------------------
+
+    def retire(self, ns: Namespace, node: NodeId) -> Node | None:
+        """Remove a leaf from the index, then its file. None if it is no leaf now."""
+        try:
+            with self.after_commit() as doomed:
+                removed = self.index.remove(ns, node.key)
+                doomed.append(_file_or_none(removed))
+        except (NodeHasChildrenError, NodeNotFoundError):
+            return None
+        return removed
+
+    def quarantine(self, node: NodeId, error: ColdFileError) -> None:
+        """A bad file: moved aside (when it is a name this tier gives to this node's
+        files, never any file a record happens to name), and unnamed."""
+        if error.reason != "missing" and error.path and self.cold.owns(error.path, node):
+            self.cold.quarantine(error.path)
+        if error.path:
+            self.unfile(node, error.path)
+
+    def discard(self, rel: str) -> None:
+        """Remove a file no record names (an orphan)."""
+        self.cold.delete(rel)
+
+    # --- what is on disk --------------------------------------------------------------
+
+    def files(self) -> Iterator[tuple[str, int]]:
+        return self.cold.iter_files()
+
+    def temp_files(self) -> Iterator[Path]:
+        return self.cold.iter_temp_files()
+
+    def path(self, rel: str) -> Path:
+        return self.cold.root / rel
+
+    def load(self, rel: str, node: NodeId) -> list[Snapshot]:
+        return self.cold.load(rel, node)
+
+
+def _file_or_none(node: Node) -> str | None:
+    try:
+        return node.record.file
+    except CorruptRecordError:
+        return None
+
+
+def filed(nodes: Iterable[Node]) -> Iterator[Node]:
+    """The nodes whose record names a file (unreadable records skipped)."""
+    for node in nodes:
+        try:
+            if node.record.file:
+                yield node
+        except CorruptRecordError:
+            continue
