@@ -421,7 +421,7 @@ COMMANDS = [
         _generate,
         lambda p: _generation_arguments(p, chat=False),
         "one reply from a local MLX model, through the store",
-        'examples:\n  promptstore generate --model demo-model --prompt "Do you have books about sailing?"\n'
+        'examples:\n  promptstore generate --model demo-model --prompt "Any books about sailing?"\n'
         "  promptstore generate --model ~/models/my-mlx-model --system-file system.txt \\\n"
         '      --prompt "Hello" --temp 0.7 --seed 1 --json',
     ),
