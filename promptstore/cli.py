@@ -86,12 +86,11 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 
 def _generate(args) -> int:
     progress = Progress()
-    model, tokenizer = _load_model(args.model, progress)
     messages = _system_messages(args)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     messages.append({"role": "user", "content": text})
-    prompt = _prompt_tokens(tokenizer, messages)
-    with _bound(args, model, progress) as space:
+    with _session(args, progress) as (model, tokenizer, space):
+        prompt = _prompt_tokens(tokenizer, messages)
         reply = _reply(model, tokenizer, prompt, space, args, progress, echo=not args.json)
         hit = space.last_hit
     if args.json:
@@ -103,9 +102,8 @@ def _generate(args) -> int:
 
 def _chat(args) -> int:
     progress = Progress()
-    model, tokenizer = _load_model(args.model, progress)
     messages = _system_messages(args)
-    with _bound(args, model, progress) as space:
+    with _session(args, progress) as (model, tokenizer, space):
         for turn, text in enumerate(_turns(), 1):
             messages.append({"role": "user", "content": text})
             prompt = _prompt_tokens(tokenizer, messages)
@@ -194,13 +192,16 @@ def _prompt_tokens(tokenizer, messages: list[dict]) -> list[int]:
 
 
 @contextmanager
-def _bound(args, model, progress: Progress):
-    """The store's namespace of `model`; the store is closed (everything spilled) afterwards."""
+def _session(args, progress: Progress):
+    """(model, tokenizer, the store's namespace of the model); every argument is checked
+    before the model loads, and the store is closed (everything spilled) afterwards."""
     from .store import PromptStore
 
+    root, model_id, salt = _model_dir(args.model), _model_id(args), _salt(args)
     store = PromptStore.open(store_path(args.store))
     try:
-        yield store.bind(model, model_id=_model_id(args), salt=_salt(args))
+        model, tokenizer = _load_model(root, progress)
+        yield model, tokenizer, store.bind(model, model_id=model_id, salt=salt)
     finally:
         close_store(store, progress)
 
@@ -350,8 +351,8 @@ def _model_dir(path: str) -> Path:
     return root.resolve()
 
 
-def _load_model(path: str, progress: Progress):
-    root = _model_dir(path)
+def _load_model(path: str | Path, progress: Progress):
+    root = _model_dir(str(path))
     from mlx_lm import load
 
     with progress.task(f"loading {root.name}"):

@@ -151,8 +151,10 @@ class Progress:
         self._start(task)
         try:
             yield task
-        finally:
-            self._finish(task)
+        except BaseException:
+            self._finish(task, failed=True)  # the error line says the rest
+            raise
+        self._finish(task)
 
     def _start(self, task: Task) -> None:
         if not self.live:
@@ -187,7 +189,7 @@ class Progress:
             task.said, task.spoke = time.monotonic(), True
             self._line(f"{task.description}: {task.counts()}")
 
-    def _finish(self, task: Task) -> None:
+    def _finish(self, task: Task, failed: bool = False) -> None:
         if not self.enabled:
             return
         seconds = time.monotonic() - task.started
@@ -198,7 +200,7 @@ class Progress:
                 if self._open == 0:
                     self._bars.stop()
                     self._bars = None
-        if seconds < QUIET_UNDER_S and not task.spoke:
+        if failed or (seconds < QUIET_UNDER_S and not task.spoke):
             return
         line = f"{task.label}: {task.counts() or 'done'} in {seconds:.1f} s"
         if task.id is None:

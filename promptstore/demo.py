@@ -361,14 +361,14 @@ def blas_note(result: DemoResult) -> str | None:
 def save_model(path: str | Path) -> Path:
     """Write the demo's random-weight llama and its tokenizer as an MLX model
     directory, which `mlx_lm.load` and `promptstore generate --model` read."""
-    from mlx_lm.utils import save_config
-    from mlx_lm.utils import save_model as save_weights
-
     out = Path(path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(
             errno.EEXIST, "exists and is not an empty directory; expected a new one for the model", str(out)
         )
+    from mlx_lm.utils import save_config
+    from mlx_lm.utils import save_model as save_weights
+
     model, tokenizer, _ = load(None)
     save_weights(out, model)
     save_config({**asdict(model.args), "model_type": "llama"}, out / "config.json")

@@ -4,6 +4,7 @@ directory on disk (the demo's random-weight llama), stores in temporary folders.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,12 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
     assert "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) == 1, proc.stderr
     return lines[0]
+
+
+def error_after_progress(proc: subprocess.CompletedProcess) -> str:
+    """The error line of a command that failed after slow work (loading a model):
+    a progress line may come first (a task that took a second says so), then one error line."""
+    *before, last = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert all(re.fullmatch(r"[\w .-]+: .* in \d+\.\d s", line) for line in before), proc.stderr
+    return last

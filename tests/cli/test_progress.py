@@ -100,3 +100,13 @@ def test_spill_on_close_is_shown(tmp_path, model_of, monkeypatch, capsys):
     assert line.startswith("writing 1 snapshot to disk: ") and " MiB in " in line
     with PromptStore.open(tmp_path) as again:
         assert again.tiers.cold_bytes() > 0
+
+
+def test_a_failed_task_does_not_say_done(monkeypatch, capsys):
+    monkeypatch.setattr(console, "QUIET_UNDER_S", 0.0)
+    try:
+        with console.Progress().task("writing the demo model"):
+            raise OSError("disk full")
+    except OSError:
+        pass
+    assert capsys.readouterr().err == ""

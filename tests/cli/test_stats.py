@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .conftest import one_line_error
+from .conftest import error_after_progress, one_line_error
 
 
 def stats(cli, *args) -> dict:
@@ -73,6 +73,6 @@ def test_operator_view_and_tenant_views(cli, tmp_path, model_dir):
         cli("stats", "--store", store, "--namespace", a["namespace"], "--salt-file", str(tmp_path / "b.salt"))
     )
     no_salt = one_line_error(cli("stats", "--store", store, "--namespace", a["namespace"]))
-    unsalted = one_line_error(cli("stats", "--store", store, "--model", str(model_dir)))
+    unsalted = error_after_progress(cli("stats", "--store", store, "--model", str(model_dir)))
     assert wrong == f"promptstore stats: error: no namespace of this model and salt in the store at {store}"
     assert no_salt == unsalted == f"promptstore stats: error: no namespace of this model in the store at {store}"
