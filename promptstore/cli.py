@@ -1,114 +1,503 @@
-"""The `promptstore` command: demo, generate, stats, compact."""
+"""The `promptstore` command: one function per command, registered in COMMANDS.
+
+Every failure ends in one line on stderr and a non-zero status (`--debug`
+shows the traceback); progress goes to stderr, results to stdout.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import compact_cli
+from .config import warn_unknown_variables
+from .console import (
+    FAILED,
+    ArgumentParser,
+    Progress,
+    close_store,
+    existing_store,
+    guarded,
+    prefill_callback,
+    setup_logging,
+    store_path,
+)
+from .errors import ModelPathError, SettingsError
+
+PROG = "promptstore"
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: what runs, its arguments, and its help."""
+
+    name: str
+    run: Callable[[argparse.Namespace], int]
+    arguments: Callable[[argparse.ArgumentParser], None]
+    summary: str  # one line, listed by `promptstore --help`
+    epilog: str  # examples (and notes) shown by `promptstore NAME --help`
+    failed: int = FAILED  # the status of a failure
+    description: str = ""
+
+
+# --- demo -------------------------------------------------------------------------------
 
 
 def _demo(args) -> int:
-    from .demo import run
+    from rich.console import Console
 
-    return 0 if run(model_path=args.model, store_dir=args.store, json_out=args.json) else 1
+    from .demo import render, run, save_model
+
+    if args.save_model:
+        with Progress().task("writing the demo model"):
+            out = save_model(args.save_model)
+        print(f"wrote the demo's random-weight llama and tokenizer to {out}")
+        return 0
+    model = str(_model_dir(args.model)) if args.model else None
+    store = str(store_path(args.store)) if args.store else None
+    result = run(model_path=model, store_dir=store, progress=Progress())
+    if args.json:
+        figures = {"rows": result.rows, "replies_equal": result.replies_equal, "model": result.model}
+        print(json.dumps({**figures, "device": result.device, "blas": result.blas}, indent=2))
+    else:
+        render(Console(), result)
+    return 0 if result.ok else 1
 
 
-def _demo_phase(args) -> int:
-    from .demo import phase_main
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a local MLX model directory (default: a random-weight llama built in-process)")
+    p.add_argument("--store", help="store directory (default: a temporary one, removed afterwards)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON on stdout instead of the table")
+    p.add_argument(
+        "--save-model",
+        metavar="DIR",
+        help="write the demo's random-weight llama and tokenizer to DIR as an MLX model directory, and stop",
+    )
 
-    return phase_main(args.store, args.model)
+
+# --- generate and chat --------------------------------------------------------------------
 
 
 def _generate(args) -> int:
-    from mlx_lm import load
+    progress = Progress()
+    messages = _system_messages(args)
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    messages.append({"role": "user", "content": text})
+    with _session(args, progress) as (model, tokenizer, space):
+        prompt = _prompt_tokens(tokenizer, messages)
+        reply = _reply(model, tokenizer, prompt, space, args, progress, echo=not args.json)
+        hit = space.last_hit
+    if args.json:
+        print(json.dumps({"reply": reply, **_restored(hit, prompt)}, indent=2))
+    else:
+        print(_restored_line(hit, prompt), file=sys.stderr)
+    return 0
+
+
+def _chat(args) -> int:
+    progress = Progress()
+    messages = _system_messages(args)
+    with _session(args, progress) as (model, tokenizer, space):
+        for turn, text in enumerate(_turns(), 1):
+            messages.append({"role": "user", "content": text})
+            prompt = _prompt_tokens(tokenizer, messages)
+            reply = _reply(model, tokenizer, prompt, space, args, progress, echo=True)
+            messages.append({"role": "assistant", "content": reply})
+            print(_restored_line(space.last_hit, prompt, f"turn {turn}: "), file=sys.stderr, flush=True)
+    return 0
+
+
+def _turns():
+    """The person's messages: typed at a prompt on a terminal, else one per line of stdin."""
+    if sys.stdin.isatty():
+        print("chat: type a message and press enter; an empty line or ctrl-d ends", file=sys.stderr)
+        while True:
+            try:
+                text = input("you> ").strip()
+            except EOFError:
+                return
+            if not text:
+                return
+            yield text
+    else:
+        for line in sys.stdin:
+            if line.strip():
+                yield line.strip()
+
+
+def _reply(model, tokenizer, prompt: list[int], space, args, progress: Progress, echo: bool) -> str:
+    """Generate through the store, showing the prompt's progress until the first token."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
 
     from .generation import stream_generate
+
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    text = ""
+    with ExitStack() as showing:
+        task = showing.enter_context(progress.task("processing the prompt", total=len(prompt), unit="tokens"))
+        for response in stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            space=space,
+            max_tokens=args.max_tokens,
+            sampler=make_sampler(args.temp, args.top_p),
+            prompt_progress_callback=prefill_callback(task),
+        ):
+            showing.close()  # the first token: the prompt is done, the reply takes the terminal
+            text += response.text
+            if echo:
+                print(response.text, end="", flush=True)
+    if echo:
+        print(flush=True)
+    return text
+
+
+def _restored(hit, prompt: list[int]) -> dict:
+    return {
+        "prompt_tokens": len(prompt),
+        "restored_tokens": hit.length,
+        "restored_cold_tokens": hit.cold_tokens,
+        "prefilled_tokens": len(prompt) - hit.length,
+        "restore_seconds": hit.seconds,
+    }
+
+
+def _restored_line(hit, prompt: list[int], prefix: str = "") -> str:
+    share = 100 * hit.length / len(prompt) if prompt else 0.0
+    return (
+        f"[{prefix}restored {hit.length:,} of {len(prompt):,} prompt tokens ({share:.0f}%) "
+        f"in {hit.seconds * 1e3:.1f} ms; prefilled {len(prompt) - hit.length:,}]"
+    )
+
+
+def _system_messages(args) -> list[dict]:
+    if not args.system_file:
+        return []
+    return [{"role": "system", "content": Path(args.system_file).read_text()}]
+
+
+def _prompt_tokens(tokenizer, messages: list[dict]) -> list[int]:
+    if getattr(tokenizer, "has_chat_template", False):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode("\n\n".join(m["content"] for m in messages)))
+
+
+@contextmanager
+def _session(args, progress: Progress):
+    """(model, tokenizer, the store's namespace of the model); every argument is checked
+    before the model loads, and the store is closed (everything spilled) afterwards."""
     from .store import PromptStore
 
-    model, tokenizer = load(args.model)
-    messages = []
-    if args.system_file:
-        with open(args.system_file) as f:
-            messages.append({"role": "system", "content": f.read()})
-    messages.append({"role": "user", "content": args.prompt})
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    with PromptStore.open(args.store) as store:
-        space = store.bind(model, model_id=args.model_id or args.model)
-        for response in stream_generate(model, tokenizer, prompt, space=space, max_tokens=args.max_tokens):
-            print(response.text, end="", flush=True)
-        hit = space.last_hit
-        print(
-            f"\n[{hit.length} of {len(prompt)} prompt tokens restored in {hit.seconds * 1e3:.1f} ms]", file=sys.stderr
-        )
-    return 0
+    root, model_id, salt = _model_dir(args.model), _model_id(args), _salt(args)
+    store = PromptStore.open(store_path(args.store))
+    try:
+        model, tokenizer = _load_model(root, progress)
+        yield model, tokenizer, store.bind(model, model_id=model_id, salt=salt)
+    finally:
+        close_store(store, progress)
+
+
+def _generation_arguments(p: argparse.ArgumentParser, chat: bool) -> None:
+    p.add_argument("--model", required=True, help="a local MLX model directory (nothing is downloaded)")
+    if not chat:
+        p.add_argument("--prompt", "-p", required=True, help="the message to the model ('-' reads it from stdin)")
+    p.add_argument("--system-file", help="a file whose text is the system prompt")
+    p.add_argument("--max-tokens", "-m", type=_max_tokens, default=256, help="most tokens per reply (default: 256)")
+    p.add_argument("--temp", type=_at_least_zero, default=0.0, help="sampling temperature (default: 0, greedy)")
+    p.add_argument("--top-p", type=_top_p, default=1.0, help="sampling top-p (default: 1)")
+    p.add_argument("--seed", type=int, help="PRNG seed (default: none)")
+    _namespace_arguments(p)
+    if not chat:
+        p.add_argument("--json", action="store_true", help="print the reply and token counts as JSON on stdout")
+
+
+def _namespace_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", help="store directory (default: $PROMPTSTORE_HOME, else the user cache)")
+    p.add_argument("--model-id", help="the identity the store keys the model by (default: the model's absolute path)")
+    p.add_argument("--salt-file", help="a file holding a tenant's secret salt (its namespace is its own)")
+
+
+# --- stats ----------------------------------------------------------------------------------
 
 
 def _stats(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from .store import default_path
 
-    from .store import PromptStore
-
-    with PromptStore.open(args.store) as store:
-        table = Table(title=f"promptstore at {store.path}")
-        for col in ("namespace", "model", "nodes", "tokens stored", "hits", "misses", "tokens served", "cold bytes"):
-            table.add_column(col, justify="right")
-        for ns in store.index.namespaces():
-            c = store.index.counters(ns)
-            nodes = list(store.index.iter_nodes(ns))
-            cold = sum(n.record.nbytes for n in nodes if n.record.file)
-            table.add_row(
-                ns.hex[:12],
-                ns.spec.model_id or ns.spec.weights_digest[:12],
-                str(len(nodes)),
-                str(c.get("tokens_stored", 0)),
-                str(c.get("hits", 0)),
-                str(c.get("misses", 0)),
-                str(c.get("tokens_served", 0)),
-                f"{cold / 2**20:.1f} MiB",
-            )
-        Console().print(table)
-        largest = sorted(
-            (n for ns in store.index.namespaces() for n in store.index.iter_nodes(ns)),
-            key=lambda n: n.end,
-            reverse=True,
-        )[:5]
-        for n in largest:
-            print(f"  prefix of {n.end} tokens (node {n.key.hex()[:12]}, span [{n.start}, {n.end}))")
+    root = existing_store(args.store or default_path())
+    if args.salt_file and not (args.model or args.namespace):
+        raise SettingsError("--salt-file needs --model or --namespace: the salt selects one namespace")
+    if args.model or args.namespace:
+        figures = _namespace_figures(root, args)
+    else:
+        figures = _store_totals(root)
+    if args.json:
+        print(json.dumps(figures, indent=2))
+    else:
+        _print_figures(figures)
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="promptstore", description="A persistent prompt-cache store for MLX models.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="chats and agent forks, without and with a store, and after a restart")
-    demo.add_argument("--model", help="a local MLX model directory (default: a random-weight llama)")
-    demo.add_argument("--store", help="store directory (default: a temporary one)")
-    demo.add_argument("--json", help="also write the figures to this file")
-    demo.set_defaults(func=_demo)
-    phase = sub.add_parser("demo-phase", help=argparse.SUPPRESS)
-    phase.add_argument("--store", required=True)
-    phase.add_argument("--model")
-    phase.set_defaults(func=_demo_phase)
-    gen = sub.add_parser("generate", help="generate with a local model through the store")
-    gen.add_argument("--model", required=True)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--system-file")
-    gen.add_argument("--store", help="store directory (default: $PROMPTSTORE_HOME or the user cache)")
-    gen.add_argument("--model-id", help="identity to key the cache by (default: the model path)")
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.set_defaults(func=_generate)
-    compact = sub.add_parser("compact", help="keep a store within budget, repair and verify it", add_help=False)
-    compact.set_defaults(func=None)
-    stats = sub.add_parser("stats", help="namespaces, nodes, tokens, bytes and hit rates of a store")
-    stats.add_argument("--store")
-    stats.set_defaults(func=_stats)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["compact"]:
-        from .compact_cli import run
+def _store_totals(root: Path) -> dict:
+    """The operator's view: totals over every namespace, nothing of any one of them."""
+    from .index import Index
 
-        return run(argv[1:])
-    args = parser.parse_args(argv)
-    return args.func(args)
+    with Index.open(root / "index", readonly=True) as index:
+        stats = index.stats()
+    return {
+        "store": str(root),
+        "view": "totals over every namespace",
+        **{k: stats[k] for k in ("nodes", "tokens_stored", "nbytes", "hits", "misses", "tokens_served")},
+        "index_bytes": stats["used_bytes"],
+    }
+
+
+def _namespace_figures(root: Path, args) -> dict:
+    """One namespace's counters, found by model (and salt) or by fingerprint and salt; nothing of others."""
+    from .index import Index
+
+    salt = _salt(args)
+    with Index.open(root / "index", readonly=True) as index:
+        ns = _find_namespace(index, args, salt, root)
+        counters = index.counters(ns)
+    return {
+        "store": str(root),
+        "view": "one namespace",
+        "namespace": ns.hex,
+        "model_id": ns.spec.model_id,
+        **{k: counters.get(k, 0) for k in ("nodes", "tokens_stored", "nbytes", "hits", "misses", "tokens_served")},
+    }
+
+
+def _find_namespace(index, args, salt: str | None, root: Path):
+    from .errors import KeyCollisionError, ReadOnlyIndexError, UnknownNamespaceError
+    from .index import Namespace
+
+    missing = SettingsError(f"no namespace of this model{' and salt' if salt else ''} in the store at {root}")
+    if args.namespace:
+        try:
+            ns = index.namespace(args.namespace)
+        except UnknownNamespaceError:
+            raise missing from None
+        # Only the salt's holder may read a salted namespace: the fingerprint covers the salt.
+        if Namespace.of(ns.spec.model_copy(update={"salt": salt})).key != ns.key:
+            raise missing
+        return ns
+    from .config import Settings
+    from .store import Space
+
+    model, _ = _load_model(args.model, Progress())
+    try:
+        # Binding a read-only index finds the namespace, or refuses to create it.
+        space = Space.bind(index, None, Settings.from_env(), model, model_id=_model_id(args), salt=salt)
+    except (ReadOnlyIndexError, KeyCollisionError):
+        raise missing from None
+    return space.namespace
+
+
+LABELS = {"nbytes": "snapshot bytes", "index_bytes": "index bytes", "model_id": "model id"}
+
+
+def _print_figures(figures: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"promptstore at {figures['store']}: {figures['view']}", highlight=False, soft_wrap=True)
+    table = Table(show_header=False)
+    table.add_column()
+    table.add_column(justify="right")
+    for key, value in figures.items():
+        if key in ("store", "view"):
+            continue
+        if isinstance(value, int):
+            value = f"{value / 2**20:.1f} MiB" if key.endswith("bytes") else f"{value:,}"
+        table.add_row(LABELS.get(key, key.replace("_", " ")), str(value))
+    lookups = figures["hits"] + figures["misses"]
+    table.add_row("hit rate", f"{100 * figures['hits'] / lookups:.0f}%" if lookups else "-")
+    console.print(table)
+
+
+def _stats_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", help="store directory (default: $PROMPTSTORE_HOME, else the user cache)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", help="show only this model's namespace (with --salt-file for a tenant's)")
+    which.add_argument(
+        "--namespace", type=_namespace_hex, help="show only the namespace of this fingerprint (32 hex digits)"
+    )
+    p.add_argument("--model-id", help="the identity the model was stored under (default: its absolute path)")
+    p.add_argument("--salt-file", help="a file holding the namespace's salt")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
+
+
+# --- shared pieces ------------------------------------------------------------------------
+
+
+def _model_dir(path: str) -> Path:
+    """A local MLX model directory, or a typed error: nothing is ever downloaded."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise ModelPathError(f"--model {path}: no such directory; expected a local MLX model directory")
+    if not (root / "config.json").is_file():
+        raise ModelPathError(f"--model {path}: no config.json there; expected a local MLX model directory")
+    return root.resolve()
+
+
+def _load_model(path: str | Path, progress: Progress):
+    root = _model_dir(str(path))
+    from mlx_lm import load
+
+    with progress.task(f"loading {root.name}"):
+        return load(str(root))
+
+
+def _model_id(args) -> str:
+    return args.model_id or str(_model_dir(args.model))
+
+
+def _salt(args) -> str | None:
+    if not args.salt_file:
+        return None
+    salt = Path(args.salt_file).read_text().rstrip("\r\n")
+    if not salt:
+        raise SettingsError(f"--salt-file {args.salt_file} is empty; expected a secret of at least one character")
+    return salt
+
+
+def _max_tokens(text: str) -> int:
+    value = _number(text, int)
+    if value == 0 or value < -1:
+        raise argparse.ArgumentTypeError(f"{text}: expected a positive number of tokens (or -1 for no limit)")
+    return value
+
+
+def _at_least_zero(text: str) -> float:
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: expected a temperature of 0 or more")
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected a probability in (0, 1]")
+    return value
+
+
+def _number(text: str, kind: type):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
+
+
+def _namespace_hex(text: str) -> str:
+    try:
+        if len(bytes.fromhex(text)) == 16:
+            return text.lower()
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a namespace fingerprint of 32 hex digits")
+
+
+COMMANDS = [
+    Command(
+        "demo",
+        _demo,
+        _demo_arguments,
+        "the same chats without a store, with one, and after a restart",
+        "examples:\n  promptstore demo\n  promptstore demo --json > demo.json\n  promptstore demo --save-model demo-model",
+    ),
+    Command(
+        "generate",
+        _generate,
+        lambda p: _generation_arguments(p, chat=False),
+        "one reply from a local MLX model, through the store",
+        'examples:\n  promptstore generate --model demo-model --prompt "Any books about sailing?"\n'
+        "  promptstore generate --model ~/models/my-mlx-model --system-file system.txt \\\n"
+        '      --prompt "Hello" --temp 0.7 --seed 1 --json',
+    ),
+    Command(
+        "chat",
+        _chat,
+        lambda p: _generation_arguments(p, chat=True),
+        "a conversation through the store; shows tokens restored per turn",
+        "examples:\n  promptstore chat --model demo-model --system-file system.txt\n"
+        "  printf 'Hello\\nAnd the weather?\\n' | promptstore chat --model demo-model",
+    ),
+    Command(
+        "stats",
+        _stats,
+        _stats_arguments,
+        "what a store holds: totals, or one namespace's counters",
+        "examples:\n  promptstore stats --store ~/.cache/promptstore\n"
+        "  promptstore stats --model demo-model\n"
+        "  promptstore stats --model demo-model --salt-file tenant.salt --json",
+    ),
+    Command(
+        "compact",
+        compact_cli.execute,
+        compact_cli.add_arguments,
+        compact_cli.SUMMARY,
+        compact_cli.EPILOG.format(prog="promptstore compact"),
+        failed=compact_cli.EXIT["failed"],
+        description=compact_cli.DESCRIPTION,
+    ),
+]
+
+
+EXAMPLES = f"""\
+examples:
+  {PROG} demo                          the demonstration, about a minute
+  {PROG} demo --save-model demo-model  its model, as an MLX model directory
+  {PROG} chat --model demo-model       a conversation through the store
+  {PROG} stats                         what the store holds
+
+Run `{PROG} COMMAND --help` for a command's options and examples."""
+
+
+def parser() -> argparse.ArgumentParser:
+    top = ArgumentParser(
+        prog=PROG,
+        description="A persistent prompt-cache store for MLX language models.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    for c in COMMANDS:
+        p = sub.add_parser(
+            c.name,
+            help=c.summary,
+            description=f"{c.summary[0].upper()}{c.summary[1:]}." + (f"\n\n{c.description}" if c.description else ""),
+            epilog=c.epilog,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        c.arguments(p)
+        if "--debug" not in p._option_string_actions:
+            p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+        p.set_defaults(command=c)
+    return top
+
+
+def main(argv=None) -> int:
+    # Nothing this command does may reach for the network (mlx-lm would try the hub).
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    args = parser().parse_args(argv)
+    command: Command = args.command
+    prog = f"{PROG} {command.name}"
+    setup_logging(prog, args.debug)
+    warn_unknown_variables()
+    return guarded(lambda: command.run(args), prog, args.debug, failed=command.failed)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """`tools/compact` and `promptstore compact`: keep a store within budget, repair
-what crashes left, verify it, and report.
+what crashes left, verify it, and report what changed.
 
-Exit codes: 0 clean (nothing to do), 1 repaired (changes made, or due in a dry
-run), 2 failed.
+Exit codes, as fsck's: 0 clean (nothing to do), 1 repaired (changes made, or
+due in a dry run), 2 failed (an error stopped a step, or compact itself).
 """
 
 from __future__ import annotations
@@ -13,48 +13,94 @@ import sys
 from dataclasses import asdict
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn
 from rich.table import Table
+
+from .config import warn_unknown_variables
+from .console import ArgumentParser, Progress, existing_store, guarded, setup_logging
 
 EXIT = {"clean": 0, "repaired": 1, "failed": 2}
 
+SUMMARY = "keep a store within its disk budget, repair and verify it"
+DESCRIPTION = """\
+Brings the snapshot files under the disk budget (evicting leaves, least valuable
+first), reclaims what crashes leave (temporary files of dead writers, files no
+index entry names, entries whose file is gone, drifted counters), merges runs of
+single-child nodes, with --verify reads every file and quarantines bad ones, and
+compacts the LMDB index. It runs while other processes use the store; the steps
+that need the store idle are skipped then, and reported."""
+EPILOG = """\
+exit status: 0 clean (nothing to do), 1 repaired (changes made, or due in a dry
+run), 2 failed.
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="compact", description=__doc__.splitlines()[0])
-    p.add_argument("--store", help="store directory (default: $PROMPTSTORE_HOME or the user cache)")
-    p.add_argument("--max-bytes", type=int, help="disk budget for snapshot files (default: the store's setting)")
+examples:
+  {prog} --store ~/.cache/promptstore --dry-run
+  {prog} --verify --max-bytes 20000000000
+  {prog} --json > report.json"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", help="store directory (default: $PROMPTSTORE_HOME, else the user cache)")
+    p.add_argument("--max-bytes", type=_bytes, help="disk budget for snapshot files (default: the disk_bytes setting)")
     p.add_argument("--verify", action="store_true", help="read every file and check its checksums")
     p.add_argument("--dry-run", action="store_true", help="report what would change, change nothing")
     p.add_argument("--no-lmdb", action="store_true", help="skip the compacting copy of the index")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout (progress stays on stderr)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+
+
+def parser(prog: str = "tools/compact") -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog=prog,
+        description=f"{SUMMARY[0].upper()}{SUMMARY[1:]}.\n\n{DESCRIPTION}",
+        epilog=EPILOG.format(prog=prog),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
     return p
 
 
-def run(argv=None) -> int:
+def _bytes(text: str) -> int:
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of bytes, 0 or more")
+    return value
+
+
+def run(argv=None, prog: str = "tools/compact") -> int:
+    """The command: parse `argv`, compact, report; every failure ends in one line and status 2."""
+    args = parser(prog).parse_args(argv)
+    return command(args, prog)
+
+
+def command(args: argparse.Namespace, prog: str) -> int:
+    setup_logging(prog, args.debug)
+    warn_unknown_variables()
+    return guarded(lambda: execute(args), prog, args.debug, failed=EXIT["failed"])
+
+
+def execute(args: argparse.Namespace) -> int:
+    """Compact the store `args` name and print the report; returns the exit status."""
     from .config import Settings
     from .store import default_path
     from .store.compact import compact
 
-    args = parser().parse_args(argv)
-    path = args.store or str(default_path())
+    path = existing_store(args.store or default_path())
     budget = args.max_bytes if args.max_bytes is not None else Settings.from_env().disk_bytes
-    console = Console(stderr=args.json)
-    with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True, disable=args.json
-    ) as progress:
-        task = progress.add_task("compacting")
+    with Progress().task("compacting", unit="items") as task:
+
+        def tick(step: str) -> None:
+            task.update(advance=1, description=f"compacting: {step}")
+
         report = compact(
-            path,
-            max_bytes=budget,
-            verify=args.verify,
-            dry_run=args.dry_run,
-            lmdb=not args.no_lmdb,
-            tick=lambda step: progress.update(task, description=step),
+            path, max_bytes=budget, verify=args.verify, dry_run=args.dry_run, lmdb=not args.no_lmdb, tick=tick
         )
     if args.json:
         print(json.dumps({**asdict(report), "status": report.status}, indent=2))
     else:
-        _print(console, report)
+        _print(Console(), report)
     return EXIT[report.status]
 
 

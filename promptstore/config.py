@@ -3,6 +3,8 @@ environment (PROMPTSTORE_<NAME>, e.g. PROMPTSTORE_HOT_BYTES=1073741824)."""
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from typing import Any, Literal
 
@@ -12,6 +14,11 @@ from .errors import SettingsError
 
 GiB = 1 << 30
 ENV_PREFIX = "PROMPTSTORE_"
+# Variables of the prefix that are not settings: the store's path (store.default_path).
+OTHER_VARIABLES = frozenset({"PROMPTSTORE_HOME"})
+
+log = logging.getLogger("promptstore.config")
+_warned: set[str] = set()
 
 
 class Settings(BaseModel):
@@ -48,6 +55,7 @@ class Settings(BaseModel):
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:
         """Defaults, then PROMPTSTORE_* variables, then `overrides`."""
+        warn_unknown_variables(cls)
         values: dict[str, Any] = {}
         for name in cls.model_fields:
             raw = os.environ.get(ENV_PREFIX + name.upper())
@@ -62,3 +70,18 @@ class Settings(BaseModel):
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors())
             raise SettingsError(f"invalid settings: {problems}") from None
+
+
+def warn_unknown_variables(settings: type[Settings] = Settings) -> None:
+    """Log once per name each PROMPTSTORE_* variable that no setting reads (a
+    misspelling would otherwise be ignored in silence), naming the closest valid one."""
+    valid = {ENV_PREFIX + name.upper() for name in settings.model_fields} | OTHER_VARIABLES
+    for name in sorted(os.environ):
+        if name.startswith(ENV_PREFIX) and name not in valid and name not in _warned:
+            _warned.add(name)
+            # Compare what follows the prefix: every name shares the prefix, so all would look close.
+            close = difflib.get_close_matches(
+                name.removeprefix(ENV_PREFIX), [v.removeprefix(ENV_PREFIX) for v in valid], n=1
+            )
+            hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else f"valid: {', '.join(sorted(valid))}"
+            log.warning("%s is not a promptstore setting and is ignored; %s", name, hint)

@@ -10,22 +10,30 @@ a chat template. With `model_path` it loads a local MLX model with mlx-lm.
 
 from __future__ import annotations
 
+import argparse
+import errno
 import json
-import os
+import platform
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+from rich import box
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
+from .console import Progress, Task, close_store
+
 REPLY_TOKENS = 16
+# Where `make openblas` (Debian/Ubuntu: libopenblas0-pthread) installs OpenBLAS.
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
 
 @dataclass
@@ -95,7 +103,7 @@ def workload(conversations: int = 6, turns: int = 3) -> list[list[Request]]:
 
 
 def load(model_path: str | None):
-    """(model, tokenizer, model_id)."""
+    """(model, tokenizer, model_id): the model at `model_path`, else the demo's own."""
     if model_path:
         from mlx_lm import load as mlx_load
 
@@ -118,8 +126,9 @@ def load(model_path: str | None):
     return model, tokenizer, "demo-random-llama-v1"
 
 
-def serve(model, tokenizer, space, rounds, progress: Progress | None = None, label: str = "") -> list[Outcome]:
-    """Run every request (with the store when `space` is given), growing each chat's history."""
+def serve(model, tokenizer, space, rounds, on_outcome: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+    """Run every request (with the store when `space` is given), growing each chat's
+    history; `on_outcome` hears of each request as it finishes."""
     from mlx_lm.generate import stream_generate as mlx_stream
 
     from .caches import make_prompt_cache
@@ -127,7 +136,6 @@ def serve(model, tokenizer, space, rounds, progress: Progress | None = None, lab
 
     outcomes: list[Outcome] = []
     replies: dict[str, str] = {}
-    task = progress.add_task(label, total=sum(len(r) for r in rounds)) if progress else None
     for round_ in rounds:
         for req in round_:
             messages = _with_history(req, replies)
@@ -148,8 +156,8 @@ def serve(model, tokenizer, space, rounds, progress: Progress | None = None, lab
             cold = hit.cold_tokens if hit else 0
             outcomes.append(Outcome(req.name, len(tokens), (hit.length - cold) if hit else 0, cold, ttft, reply))
             replies[req.name] = text
-            if progress:
-                progress.advance(task)
+            if on_outcome is not None:
+                on_outcome(outcomes[-1])
     return outcomes
 
 
@@ -166,17 +174,26 @@ def _with_history(req: Request, replies: dict[str, str]) -> list[dict]:
     return messages
 
 
-def run_phase(phase: str, store_dir: str | None, model_path: str | None, progress=None) -> list[Outcome]:
+def with_store(model, tokenizer, model_id: str, store_dir: str, progress: Progress, label: str) -> list[Outcome]:
+    """The workload on the store at `store_dir`, closed (all on disk) when it returns."""
     from .store import PromptStore
 
-    model, tokenizer, model_id = load(model_path)
     rounds = workload()
-    serve(model, tokenizer, None, [[rounds[0][0]]])  # warm-up, not counted
-    if phase == "none":
-        return serve(model, tokenizer, None, rounds, progress, "without a store")
-    with PromptStore.open(store_dir, checkpoint_interval=256) as store:
+    store = PromptStore.open(store_dir, checkpoint_interval=256)
+    try:
         space = store.bind(model, model_id=model_id)
-        return serve(model, tokenizer, space, rounds, progress, f"{phase} store")
+        with progress.task(label, total=_count(rounds), unit="requests") as task:
+            return serve(model, tokenizer, space, rounds, _advance(task))
+    finally:
+        close_store(store, progress)
+
+
+def _count(rounds) -> int:
+    return sum(len(r) for r in rounds)
+
+
+def _advance(task: Task) -> Callable[[Outcome], None]:
+    return lambda outcome: task.update(advance=1)
 
 
 def summary(name: str, outcomes: list[Outcome], base: float | None) -> dict:
@@ -199,75 +216,165 @@ def summary(name: str, outcomes: list[Outcome], base: float | None) -> dict:
     }
 
 
-def run(
-    model_path: str | None = None,
-    store_dir: str | None = None,
-    json_out: str | None = None,
-    console: Console | None = None,
-) -> bool:
-    """The three runs and their table; True when every reply matched."""
-    console = console or Console(width=120)
+@dataclass
+class DemoResult:
+    """The demo's figures: one row per run, and whether each store run's replies matched."""
+
+    rows: list[dict]
+    replies_equal: list[bool]
+    model: str
+    device: str
+    blas: str
+
+    @property
+    def ok(self) -> bool:
+        return all(self.replies_equal)
+
+
+def run(model_path: str | None = None, store_dir: str | None = None, progress: Progress | None = None) -> DemoResult:
+    """The three runs: without a store, with a fresh store, and in a new process on the same store."""
+    progress = progress or Progress(enabled=False)
+    with progress.task("loading the model"):
+        model, tokenizer, model_id = load(model_path)
+        rounds = workload()
+        serve(model, tokenizer, None, [[rounds[0][0]]])  # warm-up, not counted
     with tempfile.TemporaryDirectory() as tmp:
         store = store_dir or str(Path(tmp) / "store")
-        with Progress(console=console, transient=True) as progress:
-            plain = run_phase("none", None, model_path, progress)
-            fresh = run_phase("fresh", store, model_path, progress)
-        console.print("new process on the same store ...")
-        again = _in_new_process(store, model_path)
+        with progress.task("without a store", total=_count(rounds), unit="requests") as task:
+            plain = serve(model, tokenizer, None, rounds, _advance(task))
+        started = time.monotonic()
+        fresh = with_store(model, tokenizer, model_id, store, progress, "with a fresh store")
+        limit = max(600.0, 20 * (time.monotonic() - started))
+        with progress.task("after a restart (a new process)", total=_count(rounds), unit="requests") as task:
+            again = _in_new_process(store, model_path, task, limit)
     rows = [summary("no store", plain, None)]
     base = rows[0]["ttft_mean_s"]
-    rows += [summary("fresh store", fresh, base), summary("after restart", again, base)]
+    rows += [summary("fresh store", fresh, base), summary("restarted", again, base)]
     same = [all(a.reply == b.reply for a, b in zip(plain, other)) for other in (fresh, again)]
-    _print(console, rows, same)
-    blas = "OpenBLAS (preloaded)" if "openblas" in os.environ.get("LD_PRELOAD", "") else "MLX's bundled BLAS"
     what = model_path or "a float32 random-weight llama (4 layers, hidden 256)"
-    console.print(f"model: {what}; device: {mx.default_device()}; BLAS: {blas}")
-    if json_out:
-        Path(json_out).write_text(json.dumps({"rows": rows, "replies_equal": same}, indent=2))
-    return all(same)
+    return DemoResult(rows, same, what, mx.default_device().type.name, blas_in_use())
 
 
-def _in_new_process(store: str, model_path: str | None) -> list[Outcome]:
-    cmd = [sys.executable, "-m", "promptstore.cli", "demo-phase", "--store", store]
+def _in_new_process(store: str, model_path: str | None, task: Task, limit_s: float) -> list[Outcome]:
+    """The restart run in a child process, which prints one JSON line per request."""
+    cmd = [sys.executable, "-m", "promptstore.demo", "--store", store]
     if model_path:
         cmd += ["--model", model_path]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return [Outcome(**o) for o in json.loads(out.strip().splitlines()[-1])]
+    outcomes = []
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True)
+        watchdog = threading.Timer(limit_s, proc.kill)  # bounds the whole run, not each line
+        watchdog.start()
+        try:
+            for line in proc.stdout:
+                outcomes.append(Outcome(**json.loads(line)))
+                task.update(advance=1)
+            code = proc.wait(timeout=60)
+        finally:
+            watchdog.cancel()
+            proc.stdout.close()
+        if code != 0:
+            errors.seek(0)
+            lines = errors.read().strip().splitlines() or [f"killed after {limit_s:.0f} s"]
+            raise RuntimeError(f"the restart run failed (status {code}): {lines[-1]}")
+    return outcomes
 
 
-def phase_main(store: str, model_path: str | None) -> int:
-    """The restart phase, run in its own process: outcomes as one JSON line."""
-    outcomes = run_phase("persisted", store, model_path)
-    print(json.dumps([asdict(o) for o in outcomes]))
+def _restart_main(argv: list[str]) -> int:
+    """The restart run, in its own process: one JSON line per request as it finishes."""
+    parser = argparse.ArgumentParser(prog="python -m promptstore.demo")
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--model")
+    args = parser.parse_args(argv)
+    from .store import PromptStore
+
+    model, tokenizer, model_id = load(args.model)
+    serve(model, tokenizer, None, [[workload()[0][0]]])  # warm-up, as in the parent
+    with PromptStore.open(args.store, checkpoint_interval=256) as store:
+        space = store.bind(model, model_id=model_id)
+        serve(model, tokenizer, space, workload(), lambda o: print(json.dumps(asdict(o)), flush=True))
     return 0
 
 
-def _print(console: Console, rows: list[dict], same: list[bool]) -> None:
-    table = Table(title="promptstore demo: chats over shared system prompts, and an agent that forks")
-    for col in (
-        "run",
-        "requests",
-        "prompt tokens",
-        "restored hot",
-        "restored cold",
-        "prefilled",
-        "TTFT mean",
-        "TTFT p95",
-        "speed-up",
-        "replies equal",
-    ):
-        table.add_column(col, justify="right", no_wrap=True)
-    for row, eq in zip(rows, [None] + same):
+def blas_in_use() -> str:
+    """Which BLAS MLX's float32 matmuls use on Linux (the libraries this process maps)."""
+    if platform.system() != "Linux":
+        return "the platform's (Accelerate on macOS)" if platform.system() == "Darwin" else "not checked"
+    try:
+        with open("/proc/self/maps") as f:
+            mapped = f.read().lower()
+    except OSError:
+        return "not checked"
+    # numpy's scipy_openblas exports only prefixed symbols, which MLX never calls.
+    return "OpenBLAS" if "openblas" in mapped.replace("scipy_openblas", "") else "MLX's bundled BLAS"
+
+
+def render(console: Console, result: DemoResult) -> None:
+    """The table, what ran, and a note when the no-store baseline is slow for want of a fast BLAS."""
+    requests = result.rows[0]["requests"]
+    table = Table(
+        title=f"promptstore demo: the same {requests} requests in each run",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1, 0, 0),
+        pad_edge=False,
+    )
+    headers = ["run", "prompt\ntokens", "from\nmemory", "from\ndisk", "pre-\nfilled"]
+    headers += ["TTFT\nmean", "TTFT\np95", "speed\n-up", "same\nreplies"]
+    for col in headers:
+        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
+    for row, eq in zip(result.rows, [None] + result.replies_equal):
         table.add_row(
             row["run"],
-            str(row["requests"]),
-            str(row["prompt_tokens"]),
-            str(row["restored_hot"]),
-            str(row["restored_cold"]),
-            str(row["prefilled"]),
+            f"{row['prompt_tokens']:,}",
+            f"{row['restored_hot']:,}",
+            f"{row['restored_cold']:,}",
+            f"{row['prefilled']:,}",
             f"{row['ttft_mean_s'] * 1e3:.0f} ms",
             f"{row['ttft_p95_s'] * 1e3:.0f} ms",
             f"{row['speedup']:.1f}x",
             "-" if eq is None else ("[green]yes[/]" if eq else "[red]NO[/]"),
         )
     console.print(table)
+    console.print(f"model: {result.model}\ndevice: {result.device}; BLAS: {result.blas}", highlight=False)
+    note = blas_note(result)
+    if note:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+
+
+def blas_note(result: DemoResult) -> str | None:
+    """Why the no-store baseline is slow on a CPU without OpenBLAS, and how to get the fair one."""
+    if result.blas != "MLX's bundled BLAS" or result.device != "cpu":
+        return None
+    how = (
+        f"`make demo` preloads it (or run with LD_PRELOAD={OPENBLAS})"
+        if Path(OPENBLAS).exists()
+        else "`make openblas` installs OpenBLAS, then `make demo` preloads it"
+    )
+    return (
+        "the no-store baseline ran on MLX's bundled reference BLAS, which makes float32 prefill slow "
+        f"on CPU, so the speed-ups above are larger than a fast BLAS would give. For the fair baseline: {how}."
+    )
+
+
+def save_model(path: str | Path) -> Path:
+    """Write the demo's random-weight llama and its tokenizer as an MLX model
+    directory, which `mlx_lm.load` and `promptstore generate --model` read."""
+    out = Path(path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(
+            errno.EEXIST, "exists and is not an empty directory; expected a new one for the model", str(out)
+        )
+    from mlx_lm.utils import save_config
+    from mlx_lm.utils import save_model as save_weights
+
+    model, tokenizer, _ = load(None)
+    save_weights(out, model)
+    save_config({**asdict(model.args), "model_type": "llama"}, out / "config.json")
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(_restart_main(sys.argv[1:]))

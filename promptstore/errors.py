@@ -117,3 +117,7 @@ class StoreDirectoryError(PromptStoreError):
 class SettingsError(PromptStoreError, ValueError):
     """A setting (argument or PROMPTSTORE_* variable), or a namespace's model_id or
     salt, that is not a valid value."""
+
+
+class ModelPathError(PromptStoreError, ValueError):
+    """A model path that is not a local MLX model directory (nothing is ever downloaded)."""

@@ -8,7 +8,7 @@ whole conversation (prompt and reply) so the next turn hits all of it.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -32,26 +32,40 @@ def encode(tokenizer, prompt: Prompt) -> list[int]:
     return [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
 
 
-def prefill(model: nn.Module, cache: list, tokens: list[int], start: int, end: int, step: int) -> None:
-    """Run tokens[start:end] through the model in steps of `step`."""
+def prefill(
+    model: nn.Module, cache: list, tokens: list[int], start: int, end: int, step: int, on_step=lambda done: None
+) -> None:
+    """Run tokens[start:end] through the model in steps of `step`; `on_step(position)` after each."""
     for lo in range(start, end, step):
         model(mx.array(tokens[lo : min(lo + step, end)])[None], cache=cache)
         mx.eval([c.state for c in cache])
+        on_step(min(lo + step, end))
 
 
 def stream_generate(
-    model: nn.Module, tokenizer, prompt: Prompt, *, space: Space, checkpoints: Sequence[int] = (), **kwargs: Any
+    model: nn.Module,
+    tokenizer,
+    prompt: Prompt,
+    *,
+    space: Space,
+    checkpoints: Sequence[int] = (),
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+    **kwargs: Any,
 ) -> Generator:
     """mlx_lm.stream_generate with a prompt-cache store: same arguments and
     responses (prompt_tokens counts the whole prompt), plus `space` (the
     store's namespace of this model, from `PromptStore.bind`) and
     `checkpoints` (token positions later prompts will share, such as the end of
-    the system prompt: see Space.fetch)."""
+    the system prompt: see Space.fetch).
+    prompt_progress_callback(processed, total): as in mlx-lm, called while the
+    prompt is prefilled; restored tokens count as processed."""
     if "prompt_cache" in kwargs:
         raise TypeError("pass space=, not prompt_cache=: the store provides the cache")
     tokens = encode(tokenizer, prompt)
     hit = space.fetch(tokens, checkpoints)
     cache, position = hit.cache, hit.length
+    progress = prompt_progress_callback or (lambda processed, total: None)
+    progress(position, len(tokens))
     step = space.settings.prefill_step
     # Checkpoints, then the whole prompt but its last token: stored before
     # generation, while every layer still holds it (a chunked layer drops old
@@ -60,10 +74,12 @@ def stream_generate(
         if point <= position:
             continue
         started = time.perf_counter()
-        prefill(model, cache, tokens, position, point, step)
+        prefill(model, cache, tokens, position, point, step, lambda done: progress(done, len(tokens)))
         space.insert(tokens[:point], cache, prefill_seconds=time.perf_counter() - started)
         position = point
     produced: list[int] = []
+    # mlx-lm counts only the tokens it is given: shift its counts past what came before.
+    kwargs["prompt_progress_callback"] = lambda done, total, at=position: progress(at + done, at + total)
     for response in mlx_stream_generate(model, tokenizer, mx.array(tokens[position:]), prompt_cache=cache, **kwargs):
         produced.append(response.token)
         yield replace(response, prompt_tokens=len(tokens))
