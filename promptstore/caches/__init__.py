@@ -10,14 +10,15 @@ from .batch import BatchKVCache, BatchRotatingKVCache
 from .cache_list import CacheList
 from .kv import ChunkedKVCache, KVCache, QuantizedKVCache
 from .mlx_lm_files import load_mlx_lm_prompt_cache, save_mlx_lm_prompt_cache
+from .node import join_nodes, node_nbytes, present_layers, restore_chains, split_for_edge, split_node
 from .prompt import (
     adopt_prompt_cache,
+    layer_description,
     make_prompt_cache,
     merge_prompt_chain,
     merge_prompt_snapshots,
     prompt_layout,
     prompt_position,
-    prompt_reachable,
     restore_prompt_cache,
     snapshot_prompt_cache,
     split_prompt_snapshots,
@@ -30,9 +31,11 @@ from .speculation import Speculation, begin_speculation
 
 
 def merge_snapshots(parent, child):
-    """`[a, b)` + `[b, c)` -> `[a, c)` for any kind (dispatched on the snapshot's kind)."""
-    kind = (parent or child).kind
-    return kind_class(kind).merge_snapshots(parent, child)
+    """`[a, b)` + `[b, c)` -> `[a, c)` for any kind (dispatched on the snapshot's
+    kind); a None side gives the other."""
+    if parent is None or child is None:
+        return child if parent is None else parent
+    return kind_class(parent.kind).merge_chain([parent, child])
 
 
 def split_snapshot(snapshot, at):
@@ -59,18 +62,24 @@ __all__ = [
     "arrays_equal",
     "begin_speculation",
     "from_flat",
+    "join_nodes",
     "kind_class",
+    "layer_description",
     "load_mlx_lm_prompt_cache",
     "make_prompt_cache",
     "merge_prompt_chain",
     "merge_prompt_snapshots",
     "merge_snapshots",
+    "node_nbytes",
+    "present_layers",
     "prompt_layout",
     "prompt_position",
-    "prompt_reachable",
+    "restore_chains",
     "restore_prompt_cache",
     "save_mlx_lm_prompt_cache",
     "snapshot_prompt_cache",
+    "split_for_edge",
+    "split_node",
     "split_prompt_snapshots",
     "split_snapshot",
     "to_flat",

@@ -36,7 +36,7 @@ class ArraysCache(WholeStateKind, mlx_cache.ArraysCache):
     def layout(self) -> dict:
         return {"size": len(self.cache)}
 
-    def state_arrays(self) -> dict:
+    def _state_arrays(self) -> dict:
         return {f"s{i}": a for i, a in enumerate(self.cache) if a is not None}
 
     def snapshot(self, from_offset: int = 0) -> Snapshot:

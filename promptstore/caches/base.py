@@ -42,15 +42,17 @@ class SnapshotProtocol:
 
     kind: closed-registry name, written into serialized snapshots.
     whole_state: snapshots hold the whole state at their end (not a range).
-    can_split: snapshots split at any position inside their span.
+    token_axis: the axis of state arrays that grows with tokens (None: none does).
+
+    Callers use `layout`, `snapshot`, `signature`, `restore` (or `plan_restore`
+    then `apply_restore`, to restore several caches all or none), and the class
+    methods `merge_chain`, `split_snapshot` and `validate_snapshot`. Each kind
+    also provides `_state_arrays` and `_plan_rewind` for the shared code here.
     """
 
     kind: ClassVar[str]
     whole_state: ClassVar[bool] = False
-    can_split: ClassVar[bool] = True
-    token_axis: ClassVar[int | None] = None  # the axis of state arrays that grows with tokens
-
-    # --- what each kind provides ------------------------------------------
+    token_axis: ClassVar[int | None] = None
 
     @property
     def position(self) -> int:
@@ -65,16 +67,12 @@ class SnapshotProtocol:
         """The state needed to go from `from_offset` to the current position."""
         raise NotImplementedError
 
-    def state_arrays(self) -> dict:
-        """The arrays the cache holds, by name, as held (no copy); {} while empty."""
-        raise NotImplementedError
-
     def signature(self) -> tuple:
         """(name, dtype, shape without the token axis) of every state array: the same
         for any two caches one model layer filled, whatever their lengths. Reads
         shapes only, so a lazily computed cache is not evaluated."""
         out = []
-        for name, a in sorted(self.state_arrays().items()):
+        for name, a in sorted(self._state_arrays().items()):
             shape = list(a.shape)
             if self.token_axis is not None and len(shape) > self.token_axis:
                 del shape[self.token_axis]
@@ -86,38 +84,9 @@ class SnapshotProtocol:
         `target` is unreachable. Raises on bad input; changes nothing."""
         raise NotImplementedError
 
-    @classmethod
-    def merge_snapshots(cls, parent: Snapshot | None, child: Snapshot | None):
-        """`[a, b)` + `[b, c)` -> `[a, c)`; whole-state kinds: the child supersedes."""
-        raise NotImplementedError
-
-    @classmethod
-    def split_snapshot(cls, snapshot: Snapshot, at: int):
-        """`[a, c)` -> (`[a, at)`, `[at, c)`); kinds that cannot: (None, snapshot)."""
-        raise NotImplementedError
-
-    @classmethod
-    def merge_chain(cls, chain: Sequence[Snapshot]) -> Snapshot:
-        """Consecutive snapshots -> one, as repeated merges would give."""
-        chain = as_chain(chain, cls.kind)
-        merged = chain[0]
-        for s in chain[1:]:
-            merged = cls.merge_snapshots(merged, s)
-        return merged
-
-    @classmethod
-    def validate_snapshot(cls, snapshot: Snapshot) -> None:
-        """Raise a typed error if the snapshot's arrays or scalars are malformed."""
-        raise NotImplementedError
-
-    @classmethod
-    def reachable(cls, snapshot: Snapshot, target: int) -> bool:
-        """Whether a fresh cache can be restored from `snapshot` to `target`."""
-        if cls.whole_state:
-            return target == snapshot.end
-        return snapshot.start == 0 and 0 <= target <= snapshot.end
-
-    # --- shared behaviour --------------------------------------------------
+    def apply_restore(self, plan: dict) -> None:
+        for name, value in plan.items():
+            setattr(self, name, value)
 
     def restore(self, snapshot: SnapshotChain | None, target: int) -> bool:
         """Bring the cache to `target` from `snapshot` (a snapshot or a chain of
@@ -129,34 +98,48 @@ class SnapshotProtocol:
         self.apply_restore(plan)
         return True
 
-    def plan_rewind(self, target: int) -> dict | None:
+    @classmethod
+    def merge_chain(cls, chain: Sequence[Snapshot]) -> Snapshot:
+        """Consecutive snapshots `[a, b)`, `[b, c)`, ... -> one `[a, z)` (whole-state
+        kinds: the last one's state)."""
+        raise NotImplementedError
+
+    @classmethod
+    def split_snapshot(cls, snapshot: Snapshot, at: int):
+        """`[a, c)` -> (`[a, at)`, `[at, c)`); kinds that cannot: (None, snapshot)."""
+        raise NotImplementedError
+
+    @classmethod
+    def validate_snapshot(cls, snapshot: Snapshot) -> None:
+        """Raise a typed error if the snapshot's arrays or scalars are malformed."""
+        raise NotImplementedError
+
+    # --- what each kind provides for the shared code --------------------------
+
+    def _state_arrays(self) -> dict:
+        """The arrays the cache holds, by name, as held (no copy); {} while empty."""
+        raise NotImplementedError
+
+    def _plan_rewind(self, target: int) -> dict | None:
         """Attributes for rewinding in place to `target` <= position, or None."""
         raise NotImplementedError
 
-    def checked_rewind(self, target: int) -> dict | None:
-        """plan_rewind, refusing a target past the cache's position."""
-        if target > self.position:
-            raise SnapshotRangeError(f"cannot rewind to {target}: the cache is at {self.position}")
-        return self.plan_rewind(target)
 
-    @classmethod
-    def check_pair(cls, parent: Snapshot, child: Snapshot) -> None:
-        """Both well formed, of this kind, consecutive."""
-        check_consecutive(parent, child)
-        for s in (parent, child):
-            cls.validate_snapshot(s)
+def rewind_plan(cache: SnapshotProtocol, target: int) -> dict | None:
+    """The cache's own rewind to `target`, refusing a target past its position."""
+    if target > cache.position:
+        raise SnapshotRangeError(f"cannot rewind to {target}: the cache is at {cache.position}")
+    return cache._plan_rewind(target)
 
-    def apply_restore(self, plan: dict) -> None:
-        for name, value in plan.items():
-            setattr(self, name, value)
 
-    def check_snapshot_layout(self, snapshot: Snapshot) -> None:
-        if snapshot.kind != self.kind:
-            raise SnapshotKindError(f"a {snapshot.kind!r} snapshot cannot restore a {self.kind!r} cache")
-        mine = self.layout()
-        theirs = {k: snapshot.scalars.get(k) for k in mine}
-        if theirs != mine:
-            raise SnapshotKindError(f"snapshot layout {theirs} does not match the cache's {mine}")
+def check_snapshot_layout(cache: SnapshotProtocol, snapshot: Snapshot) -> None:
+    """A snapshot of the cache's kind and layout, or SnapshotKindError."""
+    if snapshot.kind != cache.kind:
+        raise SnapshotKindError(f"a {snapshot.kind!r} snapshot cannot restore a {cache.kind!r} cache")
+    mine = cache.layout()
+    theirs = {k: snapshot.scalars.get(k) for k in mine}
+    if theirs != mine:
+        raise SnapshotKindError(f"snapshot layout {theirs} does not match the cache's {mine}")
 
 
 def as_chain(snapshot: SnapshotChain, kind: str) -> list[Snapshot]:

@@ -66,7 +66,7 @@ class BatchKVCache(RangeKind, mlx_cache.BatchKVCache):
             "_right_padding": None,
         }
 
-    def plan_rewind(self, target):
+    def _plan_rewind(self, target):
         return {"_idx": target, "offset": self.offset - (self._idx - target)}
 
     @classmethod
@@ -96,7 +96,7 @@ class BatchRotatingKVCache(WholeStateKind, mlx_cache.BatchRotatingKVCache):
     def layout(self) -> dict:
         return {"max_size": int(self.max_size)}
 
-    def state_arrays(self) -> dict:
+    def _state_arrays(self) -> dict:
         return {} if self.keys is None else {"keys": self.keys, "values": self.values}
 
     def _window(self, v):
@@ -115,7 +115,7 @@ class BatchRotatingKVCache(WholeStateKind, mlx_cache.BatchRotatingKVCache):
         return Snapshot(self.kind, lo, self._offset, True, arrays, self.layout())
 
     @classmethod
-    def reachable(cls, snapshot: Snapshot, target: int) -> bool:
+    def _reachable(cls, snapshot: Snapshot, target: int) -> bool:
         unwrapped = _window_length(snapshot) == snapshot.end
         return target == snapshot.end or (unwrapped and 0 <= target <= snapshot.end)
 
@@ -142,7 +142,7 @@ class BatchRotatingKVCache(WholeStateKind, mlx_cache.BatchRotatingKVCache):
         plan["_idx"] = snapshot.arrays["keys"].shape[2] - back
         return plan
 
-    def plan_rewind(self, target: int):
+    def _plan_rewind(self, target: int):
         if target == self._offset:
             return {}
         if self.keys is not None and not self.rotated and self._idx == self._offset:

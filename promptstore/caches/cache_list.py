@@ -15,7 +15,7 @@ from typing import ClassVar
 from mlx_lm.models import cache as mlx_cache
 
 from ..errors import SnapshotFormatError, SnapshotKindError, SnapshotRangeError
-from .base import SnapshotChain, SnapshotProtocol, as_chain, as_position, check_consecutive
+from .base import SnapshotChain, SnapshotProtocol, as_chain, as_position, check_consecutive, check_snapshot_layout
 from .registry import adopt, from_mlx_lm_state, kind_class, register
 from .snapshot import Snapshot
 
@@ -81,7 +81,7 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
         else:
             chain = as_chain(snapshot, self.kind)
             for s in chain:
-                self.check_snapshot_layout(s)
+                check_snapshot_layout(self, s)
                 type(self).validate_snapshot(s)
             chains = [_child_chain(chain, i, c.whole_state) for i, c in enumerate(self.caches)]
             if any(sub is None for sub in chains):
@@ -97,23 +97,6 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
     def apply_restore(self, plan: dict) -> None:
         for cache, sub in zip(self.caches, plan["children"]):
             cache.apply_restore(sub)
-
-    @classmethod
-    def reachable(cls, snapshot: Snapshot, target: int) -> bool:
-        return all(c is not None and kind_class(c.kind).reachable(c, target) for c in snapshot.children)
-
-    @classmethod
-    def merge_snapshots(cls, parent: Snapshot | None, child: Snapshot | None):
-        if parent is None or child is None:
-            return child if parent is None else parent
-        cls.check_pair(parent, child)
-        if parent.scalars != child.scalars:
-            raise SnapshotKindError(f"cannot merge cache lists {parent.scalars} and {child.scalars}")
-        children = tuple(
-            _respan(c, parent.start) if kind_class(kind).whole_state else kind_class(kind).merge_snapshots(p, c)
-            for kind, p, c in zip(child.scalars["kinds"], parent.children, child.children)
-        )
-        return Snapshot(cls.kind, parent.start, child.end, child.whole, {}, dict(child.scalars), children)
 
     @classmethod
     def merge_chain(cls, chain) -> Snapshot:

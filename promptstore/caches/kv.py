@@ -31,7 +31,7 @@ class KVCache(RangeKind, mlx_cache.KVCache):
     def plan_install(self, buffers, lo, target, last):
         return {"keys": buffers["keys"], "values": buffers["values"], "offset": target}
 
-    def plan_rewind(self, target):
+    def _plan_rewind(self, target):
         return {"offset": target}
 
     @classmethod
@@ -73,7 +73,7 @@ class QuantizedKVCache(RangeKind, mlx_cache.QuantizedKVCache):
             "offset": target,
         }
 
-    def plan_rewind(self, target):
+    def _plan_rewind(self, target):
         return {"offset": target}
 
     @classmethod
@@ -127,7 +127,7 @@ class ChunkedKVCache(RangeKind, mlx_cache.ChunkedKVCache):
             "start_position": lo,
         }
 
-    def plan_rewind(self, target):
+    def _plan_rewind(self, target):
         if self.install_from(target) < self.start_position:
             return None  # the target's chunk starts at positions already dropped
         return {"offset": target}

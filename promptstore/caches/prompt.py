@@ -112,7 +112,7 @@ def restore_prompt_cache(caches: Sequence[Any], snapshots: Sequence[Any] | None,
 def merge_prompt_snapshots(parents: Sequence[Snapshot], children: Sequence[Snapshot]) -> list:
     """Per layer: `[a, b)` + `[b, c)` -> `[a, c)`."""
     _check_layers(parents, children)
-    return [kind_class(p.kind).merge_snapshots(p, c) for p, c in zip(parents, children)]
+    return [kind_class(p.kind).merge_chain([p, c]) for p, c in zip(parents, children)]
 
 
 def merge_prompt_chain(chain: Sequence[Sequence[Snapshot]]) -> list:
@@ -131,9 +131,20 @@ def split_prompt_snapshots(snapshots: Sequence[Snapshot], at: int):
     return [h[0] for h in halves], [h[1] for h in halves]
 
 
-def prompt_reachable(snapshots: Sequence[Snapshot], target: int) -> bool:
-    """Whether fresh caches can be restored to `target` from these snapshots."""
-    return all(kind_class(s.kind).reachable(s, target) for s in snapshots)
+def layer_description(cache: Any) -> dict:
+    """A layer's cache layout in the index's terms: kind and window, keep, bits,
+    group_size, chunk_size where they apply; a cache list's caches in `children`."""
+    if isinstance(cache, CacheList):
+        return {"kind": cache.kind, "children": [layer_description(c) for c in cache.caches]}
+    layout = cache.layout()
+    names = {
+        "window": "max_size",
+        "keep": "keep",
+        "bits": "bits",
+        "group_size": "group_size",
+        "chunk_size": "chunk_size",
+    }
+    return {"kind": cache.kind, **{ours: layout.get(theirs) for ours, theirs in names.items()}}
 
 
 def prompt_layout(caches: Sequence[Any]) -> list[dict]:

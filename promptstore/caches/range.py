@@ -21,7 +21,9 @@ from .base import (
     as_chain,
     as_position,
     check_consecutive,
+    check_snapshot_layout,
     headroom,
+    rewind_plan,
 )
 from .snapshot import Snapshot, own
 
@@ -49,7 +51,6 @@ class RangeKind(SnapshotProtocol):
     """
 
     whole_state: ClassVar[bool] = False
-    can_split: ClassVar[bool] = True
     trims_front: ClassVar[bool] = False  # data may start after the span's start
     token_axis: ClassVar[int | None] = AXIS
 
@@ -86,7 +87,7 @@ class RangeKind(SnapshotProtocol):
 
     cursor_names: ClassVar[tuple[str, ...]] = ()
 
-    def state_arrays(self) -> dict:
+    def _state_arrays(self) -> dict:
         return self.live_buffers() or {}
 
     expected_names: ClassVar[tuple[str, ...]] = ("keys", "values")
@@ -113,10 +114,10 @@ class RangeKind(SnapshotProtocol):
     def plan_restore(self, snapshot: SnapshotChain | None, target: int):
         target = as_position(target, "target")
         if snapshot is None:
-            return self.checked_rewind(target)
+            return rewind_plan(self, target)
         chain = as_chain(snapshot, self.kind)
         for s in chain:
-            self.check_snapshot_layout(s)
+            check_snapshot_layout(self, s)
             type(self).validate_snapshot(s)
         start, end = chain[0].start, chain[-1].end
         if target > end:
@@ -124,7 +125,7 @@ class RangeKind(SnapshotProtocol):
         if start > self.position:
             return None  # the chain builds on positions this cache lacks
         if target <= start:
-            return self.plan_rewind(target)
+            return self._plan_rewind(target)
         self._check_against_live(chain)
         lo = self.install_from(target)
         pieces = self._gather(chain, lo, target)
@@ -195,24 +196,6 @@ class RangeKind(SnapshotProtocol):
                         f"{n!r}: cannot join arrays of shape {tuple(ref.shape)} {ref.dtype} "
                         f"and {tuple(p.shape)} {p.dtype} (batch, heads, head dim and dtype must match)"
                     )
-
-    @classmethod
-    def merge_snapshots(cls, parent: Snapshot | None, child: Snapshot | None):
-        if parent is None or child is None:
-            return child if parent is None else parent
-        cls.check_pair(parent, child)
-        if child.length == 0:
-            return parent
-        if parent.length == 0 or data_start(child) > child.start or not cls.token_names(parent):
-            arrays, ds = dict(child.arrays), data_start(child)
-        else:
-            arrays = {n: mx.concatenate([parent.arrays[n], child.arrays[n]], axis=AXIS) for n in cls.token_names(child)}
-            arrays.update({n: child.arrays[n] for n in cls.cursor_names if n in child.arrays})
-            ds = data_start(parent)
-        scalars = dict(child.scalars)
-        if cls.trims_front:
-            scalars["data_start"] = ds
-        return Snapshot(cls.kind, parent.start, child.end, False, arrays, scalars)
 
     @classmethod
     def merge_chain(cls, chain) -> Snapshot:

@@ -67,7 +67,7 @@ class RotatingKVCache(WholeStateKind, mlx_cache.RotatingKVCache):
     def layout(self) -> dict:
         return {"max_size": int(self.max_size), "keep": int(self.keep)}
 
-    def state_arrays(self) -> dict:
+    def _state_arrays(self) -> dict:
         return {} if self.keys is None else {"keys": self.keys, "values": self.values}
 
     def snapshot(self, from_offset: int = 0) -> Snapshot:
@@ -83,7 +83,7 @@ class RotatingKVCache(WholeStateKind, mlx_cache.RotatingKVCache):
         return Snapshot(self.kind, lo, self.offset, True, arrays, self.layout())
 
     @classmethod
-    def reachable(cls, snapshot: Snapshot, target: int) -> bool:
+    def _reachable(cls, snapshot: Snapshot, target: int) -> bool:
         unwrapped = _window_length(snapshot) == snapshot.end
         return target == snapshot.end or (unwrapped and 0 <= target <= snapshot.end)
 
@@ -93,7 +93,7 @@ class RotatingKVCache(WholeStateKind, mlx_cache.RotatingKVCache):
         cls.validate_snapshot(snapshot)
         if at >= snapshot.end:
             return snapshot, None
-        if at <= snapshot.start or not cls.reachable(snapshot, at):
+        if at <= snapshot.start or not cls._reachable(snapshot, at):
             return None, snapshot
         upper = {n: own(a[..., :at, :]) for n, a in snapshot.arrays.items()}
         return (
@@ -117,7 +117,7 @@ class RotatingKVCache(WholeStateKind, mlx_cache.RotatingKVCache):
         planned.update({"offset": target, "_idx": length})
         return planned
 
-    def plan_rewind(self, target: int):
+    def _plan_rewind(self, target: int):
         if target == self.offset:
             return {}
         if self.keys is not None and self._idx == self.offset:

@@ -11,7 +11,15 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ..errors import SnapshotRangeError
-from .base import SnapshotChain, SnapshotProtocol, as_chain, as_position, check_consecutive
+from .base import (
+    SnapshotChain,
+    SnapshotProtocol,
+    as_chain,
+    as_position,
+    check_consecutive,
+    check_snapshot_layout,
+    rewind_plan,
+)
 from .snapshot import Snapshot
 
 
@@ -19,38 +27,34 @@ class WholeStateKind(SnapshotProtocol):
     """Shared protocol for kinds whose snapshot is the whole state at `end`."""
 
     whole_state: ClassVar[bool] = True
-    can_split: ClassVar[bool] = False
+
+    @classmethod
+    def _reachable(cls, snapshot: Snapshot, target: int) -> bool:
+        """Whether `snapshot`'s state, cut to `target`, is the state there."""
+        return target == snapshot.end
 
     def plan_whole(self, snapshot: Snapshot, target: int) -> dict | None:
         """Attributes that install `snapshot`'s state cut to `target`, or None."""
         raise NotImplementedError
 
-    def plan_rewind(self, target: int) -> dict | None:
+    def _plan_rewind(self, target: int) -> dict | None:
         return {} if target == self.position else None
 
     def plan_restore(self, snapshot: SnapshotChain | None, target: int):
         target = as_position(target, "target")
         if snapshot is None:
-            return self.checked_rewind(target)
+            return rewind_plan(self, target)
         chain = as_chain(snapshot, self.kind)
         last = chain[-1]
-        self.check_snapshot_layout(last)
+        check_snapshot_layout(self, last)
         type(self).validate_snapshot(last)
         if target > last.end:
             raise SnapshotRangeError(f"target {target} is past the snapshot's end {last.end}")
-        if type(self).reachable(last, target):
+        if type(self)._reachable(last, target):
             return self.plan_whole(last, target)
         if target <= self.position:
-            return self.plan_rewind(target)
+            return self._plan_rewind(target)
         return None
-
-    @classmethod
-    def merge_snapshots(cls, parent: Snapshot | None, child: Snapshot | None):
-        if parent is None or child is None:
-            return child if parent is None else parent
-        check_consecutive(parent, child)
-        cls.validate_snapshot(child)
-        return Snapshot(cls.kind, parent.start, child.end, True, child.arrays, child.scalars, child.children)
 
     @classmethod
     def merge_chain(cls, chain) -> Snapshot:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..caches import join_nodes, present_layers
 from ..errors import (
     ColdFileError,
     CorruptRecordError,
@@ -229,33 +230,20 @@ class Compactor:
                         self.tick("merge chains")
 
     def _join(self, ns, node, child) -> bool:
-        from ..caches import Snapshot, kind_class
-
         upper, lower = self.tiers.get(node), self.tiers.get(child)
         if upper is None or lower is None:
             return False
-        layers = []
-        for u, lo in zip(upper, lower):
-            if lo is None:
-                if u is not None and not u.whole:
-                    return False  # a range layer would lose [node.start, node.end)
-                layers.append(None)  # no state at the child's end: none for the joined node
-            elif lo.kind == "cache_list" or not lo.whole:
-                if u is None:
-                    return False  # the range (or a cache list's range children) over the node is not here
-                layers.append(kind_class(lo.kind).merge_chain([u, lo]))
-            else:  # a whole-state layer: its state at the child's end is the joined node's
-                layers.append(Snapshot(lo.kind, node.start, lo.end, lo.whole, lo.arrays, dict(lo.scalars), lo.children))
+        layers = join_nodes(upper, lower, node.start)
+        if layers is None:
+            return False
         if self.dry:
             self.report.add("merged chains", nodes=1, files=1)
             return False
         record = child.record.model_copy(
             update={
                 "layers": [
-                    r.model_copy(
-                        update={"present": s is not None and s.complete, "nbytes": 0 if s is None else s.nbytes}
-                    )
-                    for r, s in zip(child.record.layers, layers)
+                    r.model_copy(update={"present": p, "nbytes": 0 if s is None else s.nbytes})
+                    for r, s, p in zip(child.record.layers, layers, present_layers(layers))
                 ],
                 "tier": "cold",
                 "prefill_seconds": node.record.prefill_seconds + child.record.prefill_seconds,

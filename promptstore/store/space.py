@@ -62,18 +62,15 @@ class Hit:
 
 
 def layer_spec(cache: Any, dtype: str) -> LayerSpec:
-    layout = cache.layout()
-    if cache.kind == "cache_list":
-        return LayerSpec(kind="cache_list", children=[layer_spec(c, dtype) for c in cache.caches])
-    return LayerSpec(
-        kind=cache.kind,
-        window=layout.get("max_size"),
-        keep=layout.get("keep"),
-        bits=layout.get("bits"),
-        group_size=layout.get("group_size"),
-        chunk_size=layout.get("chunk_size"),
-        dtype=dtype,
-    )
+    return _spec(C.layer_description(cache), dtype)
+
+
+def _spec(description: dict, dtype: str) -> LayerSpec:
+    # The dtype is a property of the arrays, so of the leaves: a composite layer has none.
+    children = description.get("children")
+    if children:
+        return LayerSpec(kind=description["kind"], children=[_spec(c, dtype) for c in children])
+    return LayerSpec(**description, dtype=dtype)
 
 
 def model_dtype(model: nn.Module) -> str:
@@ -95,33 +92,6 @@ def weights_digest(model: nn.Module) -> str:
         h.update(f"{name}:{p.dtype}:{p.shape};".encode())
         h.update(memoryview(mx.contiguous(p)))
     return h.hexdigest()
-
-
-def split_for_edge(snapshot: Snapshot, at: int):
-    """Split a stored node's snapshot where an edge is cut.
-
-    Range layers split; a whole-state layer has no state at `at` (the upper
-    node waits for a checkpoint) and keeps its state at the end, now spanning
-    [at, end). A cache list splits each child the same way: its upper part
-    keeps the range children's [start, at) with None for the whole-state ones
-    (not `complete`: the node's record marks the layer as waiting for a
-    checkpoint), so no position of a range child is ever dropped.
-    """
-    if snapshot is None:
-        return None, None
-    upper, lower = C.split_snapshot(snapshot, at)
-    if upper is not None or lower is None or lower.start == at:
-        return upper, lower
-    if snapshot.kind == "cache_list":
-        halves = [split_for_edge(c, at) for c in snapshot.children]
-        scalars = dict(snapshot.scalars)
-        return (
-            Snapshot(snapshot.kind, snapshot.start, at, snapshot.whole, {}, scalars, tuple(u for u, _ in halves)),
-            Snapshot(snapshot.kind, at, snapshot.end, snapshot.whole, {}, dict(scalars), tuple(lo for _, lo in halves)),
-        )
-    return None, Snapshot(
-        snapshot.kind, at, snapshot.end, True, snapshot.arrays, dict(snapshot.scalars), snapshot.children
-    )
 
 
 def _describe(signature: tuple) -> str:
@@ -274,7 +244,7 @@ class Space:
         path = path[: len(snaps)]
         while path:
             end = min(target, path[-1].end)
-            chains = self._chains(path, snaps)
+            chains = C.restore_chains(snaps, path[-1].end)
             if chains is not None and end > path[-1].start and self._restored(cache, chains, end, path[-1]):
                 return end, len(path), cold
             path, snaps = path[:-1], snaps[:-1]
@@ -289,23 +259,6 @@ class Space:
         except CacheError as e:
             self.tiers.report("layout", last.key, f"stored snapshots do not fit this namespace: {e}")
             return False
-
-    def _chains(self, path: list[Node], snaps: list[list[Snapshot]]):
-        """Per layer, the consecutive snapshots ending at the last node, or None."""
-        chains = []
-        for layer in range(self.namespace.n_layers):
-            chain = []
-            for _node, layers in zip(reversed(path), reversed(snaps)):
-                s = layers[layer]
-                if s is None:
-                    break
-                chain.insert(0, s)
-                if s.whole and s.kind != "cache_list":
-                    break  # the state at the end is all a whole-state layer needs
-            if not chain or chain[-1].end != path[-1].end:
-                return None
-            chains.append(chain)
-        return chains
 
     # --- insert -----------------------------------------------------------------------
 
@@ -388,7 +341,7 @@ class Space:
         snaps = self._snap_span(cache, node.start, position)
         if position == node.end:
             return snaps
-        return [split_for_edge(s, node.end)[0] for s in snaps]
+        return C.split_node(snaps, node.end)[0]
 
     def _commit(self, plan, toks: np.ndarray, cache, prefill_seconds) -> int:
         self._heal(plan, cache, len(toks))
@@ -419,8 +372,7 @@ class Space:
         return snaps
 
     def _record(self, snaps, prefill_seconds, n_tokens) -> NodeRecord:
-        present = [s is not None and s.complete for s in snaps]
-        record = NodeRecord.blank(self.namespace, present)
+        record = NodeRecord.blank(self.namespace, C.present_layers(snaps))
         layers = [
             ref.model_copy(update={"nbytes": s.nbytes if s is not None else 0}) for ref, s in zip(record.layers, snaps)
         ]
@@ -428,7 +380,7 @@ class Space:
         return record.model_copy(
             update={
                 "layers": layers,
-                "nbytes": sum(s.nbytes for s in snaps if s is not None),
+                "nbytes": C.node_nbytes(snaps),
                 "prefill_seconds": seconds,
             }
         )
@@ -438,14 +390,11 @@ class Space:
         snaps = self.tiers.get(node) if node is not None else None
         if snaps is None:
             return None, None, None  # its data is gone: do not split what cannot be served
-        halves = [split_for_edge(s, plan.split.at) for s in snaps]
-        lowers = [lo for _, lo in halves]
+        uppers, lowers = C.split_node(snaps, plan.split.at)
         if position == plan.split.at:
             # The cache is at the split point: it has every layer's state there,
             # whole-state ones included (a caller following hit.checkpoints).
             uppers = self._snap_span(cache, node.start, position)
-        else:
-            uppers = [u for u, _ in halves]
         frac = (plan.split.at - node.start) / (node.end - node.start)
         seconds = node.record.prefill_seconds
         upper_rec = self._record(uppers, seconds * frac, 0)
