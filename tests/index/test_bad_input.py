@@ -33,6 +33,11 @@ BAD_TOKENS = [
     None,
     [None],
     ["1"],
+    # Regression (issue 16): bools passed as the tokens 1 and 0.
+    [True, False],
+    [5, True],
+    (False,),
+    np.array([True, False]),
 ]
 
 
