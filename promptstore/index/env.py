@@ -21,7 +21,9 @@ import lmdb
 
 from promptstore.errors import IndexCorruptError, IndexStoreError, ReadOnlyIndexError, SchemaVersionError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# 1: namespace specs held tenant salts in clear; upgraded by the first writable open (upgrade.py).
+READABLE_SCHEMAS = (1, 2)
 DEFAULT_MAP_SIZE = 64 << 20
 DB_NAMES = ("namespaces", "nodes", "edges", "children", "access", "counters", "meta")
 SCHEMA_KEY = b"schema_version"
@@ -418,7 +420,7 @@ def _refuse_foreign(txn: lmdb.Transaction) -> None:
 
 def _check_schema(found: bytes | None) -> None:
     text = None if found is None else bytes(found).decode("ascii", "replace")
-    if text != str(SCHEMA_VERSION):
-        error = SchemaVersionError(f"index schema version {text!r}, this code reads version {SCHEMA_VERSION} only")
+    if text not in {str(v) for v in READABLE_SCHEMAS}:
+        error = SchemaVersionError(f"index schema version {text!r}, this code reads versions {READABLE_SCHEMAS}")
         error.found, error.expected = text, SCHEMA_VERSION
         raise error

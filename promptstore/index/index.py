@@ -7,6 +7,7 @@ counters; the logic of each lives in the module named after it.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable, Iterable, Iterator
 from typing import Self
 
@@ -23,14 +24,16 @@ from promptstore.errors import (
 )
 
 from . import access, counters, env, keys, trie
-from .namespace import Namespace, NamespaceSpec
+from .namespace import Namespace, NamespaceSpec, tenant_digest
 from .records import Node, NodeRecord, check_record_layout
 from .trie import InsertPlan, InsertResult, Match, SplitRecords
+from .upgrade import upgrade
 
 # A pair of records for a split, or a function of the plan that makes them (bulk inserts).
 SplitRecordsArg = SplitRecords | Callable[[InsertPlan], SplitRecords] | None
 
 _BATCH = 256  # nodes read per transaction by the iterators, so none holds a reader long
+_TENANT_KEY = b"tenant_key"  # in meta: the key of tenant_digest, random per store
 
 
 class Index:
@@ -55,8 +58,16 @@ class Index:
         map_size: initial LMDB map in bytes; it grows when full.
         sync: False skips fsync at commit (faster; a system crash may lose the last commits).
         The first open of a path in a process sets map_size and sync for every later one.
+        A writable open upgrades an index of an older schema (see upgrade.py).
         """
-        return cls(env.acquire(path, map_size, readonly, sync), readonly)
+        index = cls(env.acquire(path, map_size, readonly, sync), readonly)
+        if not readonly:
+            try:
+                upgrade(index._env)
+            except BaseException:
+                index.close()
+                raise
+        return index
 
     def close(self) -> None:
         if not self._closed:
@@ -99,6 +110,30 @@ class Index:
             _same_spec(ns, stored)
         self._namespaces[ns.key] = ns
         return ns
+
+    def tenant_digest(self, salt: str) -> str:
+        """What a namespace holds for a tenant's salt: scrypt keyed by this store's tenant key."""
+        return tenant_digest(salt, self._tenant_key())
+
+    def _tenant_key(self) -> bytes:
+        # Made by the first bind that needs it; one write txn, so concurrent binds agree.
+        with self._read() as txn:
+            key = txn.get(_TENANT_KEY, db=self._dbs.meta)
+            if key is not None:
+                return bytes(key)
+
+        def made(txn) -> bytes | None:
+            found = txn.get(_TENANT_KEY, db=self._dbs.meta)
+            return None if found is None else bytes(found)
+
+        def put(txn, found: bytes | None) -> bytes:
+            if found is not None:
+                return found
+            key = secrets.token_bytes(32)
+            txn.put(_TENANT_KEY, key, db=self._dbs.meta)
+            return key
+
+        return self._write(put, made)
 
     def namespace(self, key: bytes | str) -> Namespace:
         """A registered namespace by fingerprint (bytes or hex)."""

@@ -159,7 +159,7 @@ class Space:
             model_id=model_id,
             weights_digest=None if model_id else weights_digest(model),
             layers=[layer_spec(c, dtype) for c in template],
-            salt=salt,
+            tenant=None if salt is None else index.tenant_digest(salt),
         )
         return cls(index, tiers, settings, model, index.register_namespace(spec), kwargs, dtype)
 

@@ -244,3 +244,53 @@ def test_probe_timing_is_recorded(tmp_path, tier, monkeypatch, record_property, 
         record_property(f"timing_{tier}_{k}", val)
     with capsys.disabled():
         print(f"\n[isolation timing, {tier}] {figures}")
+
+
+def test_no_salt_is_written_anywhere(tmp_path):
+    """Issue 16, defect 3: the namespace spec in the index held the salt in clear. No
+    file under the store may hold either tenant's salt, before or after compact."""
+    from promptstore.store.compact import compact
+
+    model = _model("llama")
+    root = tmp_path / "store"
+    store_victim(root, "llama")
+    with PromptStore.open(root, durability="sync") as store:
+        prefill_insert(store.bind(model, model_id=MODEL_ID, salt=ATTACKER), model, TURN)
+    for step in ("after use", "after compact"):
+        files = [p for p in root.rglob("*") if p.is_file()]
+        assert len(files) > 4, step
+        for p in files:
+            raw = p.read_bytes()
+            assert VICTIM.encode() not in raw and ATTACKER.encode() not in raw, (step, p)
+        compact(root, max_bytes=1 << 30)
+
+
+def test_a_schema_1_store_keeps_its_unsalted_data_and_drops_its_salted(tmp_path):
+    """A store written before salts were digested: its unsalted namespace still hits; the
+    salted one is dropped at the first open, and compact reclaims its files and scrubs the
+    index pages that held the salt."""
+    from promptstore.store.compact import compact
+
+    from ..index.test_tenant import as_schema_1
+
+    model = _model("llama")
+    root = tmp_path / "store"
+    with PromptStore.open(root, durability="sync") as store:
+        plain = store.bind(model, model_id=MODEL_ID)
+        secret = store.bind(model, model_id=MODEL_ID, salt=VICTIM)
+        for space in (plain, secret):
+            prefill_insert(space, model, SYSTEM)
+        files = {space: {n.record.file for n in store.index.iter_nodes(space.namespace)} for space in (plain, secret)}
+        keys = plain.namespace.key, secret.namespace.key
+    as_schema_1(root / "index", {keys[0]: None, keys[1]: VICTIM})
+    assert VICTIM.encode() in (root / "index" / "data.mdb").read_bytes()
+    with PromptStore.open(root, hot_bytes=0) as store:
+        assert [ns.key for ns in store.index.namespaces()] == [keys[0]]
+        length, err = continuation_error(store.bind(model, model_id=MODEL_ID), model, TURN)
+        assert length == len(SYSTEM) and err < TOL
+        assert store.bind(model, model_id=MODEL_ID, salt=VICTIM).fetch(TURN).length == 0
+    report = compact(root, max_bytes=1 << 30)
+    assert report.actions["orphan files"]["files"] == len(files[secret]) > 0
+    left = {str(p.relative_to(root / "cold")) for p in (root / "cold" / "files").rglob("*.safetensors")}
+    assert left == files[plain]
+    assert not [p for p in root.rglob("*") if p.is_file() and VICTIM.encode() in p.read_bytes()]
