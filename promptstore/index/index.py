@@ -87,14 +87,17 @@ class Index:
     # --- namespaces -------------------------------------------------------
 
     def register_namespace(self, spec: NamespaceSpec) -> Namespace:
-        """Store `spec` (idempotent) and return its Namespace."""
+        """Store `spec` (idempotent) and return its Namespace.
+
+        A stored spec that no longer hashes to its key was damaged; `spec` hashes to
+        that key, so it is what was stored there, and it is written back.
+        """
         ns = Namespace.of(spec)
 
         def needs_put(txn) -> bool:
             stored = txn.get(ns.key, db=self._dbs.namespaces)
             if stored is not None:
-                _same_spec(ns, bytes(stored))  # another process got there first
-                return False
+                return not _same_spec(ns, bytes(stored))  # another process got there first
             if txn.get(ns.key, db=self._dbs.nodes) is not None:
                 raise KeyCollisionError(f"namespace fingerprint {ns.hex} is a node's key")
             return True
@@ -104,10 +107,8 @@ class Index:
                 txn.put(ns.key, spec.model_dump_json().encode(), db=self._dbs.namespaces)
 
         stored = self._stored_spec(ns.key)
-        if stored is None:
+        if stored is None or not _same_spec(ns, stored):
             self._write(put, needs_put)
-        else:
-            _same_spec(ns, stored)
         self._namespaces[ns.key] = ns
         return ns
 
@@ -451,11 +452,21 @@ class Index:
 
 def _decode_spec(key: bytes, stored: bytes) -> NamespaceSpec:
     try:
-        return NamespaceSpec.model_validate_json(stored)
+        spec = NamespaceSpec.model_validate_json(stored)
     except ValidationError as e:
         raise CorruptRecordError(f"namespace {key.hex()}: spec does not validate: {e}") from e
+    if spec.fingerprint() != key:
+        raise CorruptRecordError(f"namespace {key.hex()}: spec does not hash to its key")
+    return spec
 
 
-def _same_spec(ns: Namespace, stored: bytes) -> None:
-    if _decode_spec(ns.key, stored) != ns.spec:
+def _same_spec(ns: Namespace, stored: bytes) -> bool:
+    """Whether `stored` is ns's spec; False if it is damaged (to be written again)."""
+    try:
+        found = _decode_spec(ns.key, stored)
+    except CorruptRecordError as e:
+        trie.log.warning("rewriting a damaged namespace spec: %s", e)
+        return False
+    if found != ns.spec:
         raise KeyCollisionError(f"namespace fingerprint {ns.hex} is taken by another spec")
+    return True
