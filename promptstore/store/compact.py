@@ -114,6 +114,16 @@ class Compactor:
 
     # --- steps ------------------------------------------------------------------------
 
+    def strays(self) -> None:
+        """What stands where a snapshot file (or a fan-out directory) belongs and is
+        none, such as a directory, a FIFO or a symlink: moved to quarantine, never
+        read, followed or deleted."""
+        for rel, kind in list(self.files.strays()):
+            if not self.dry and not self.files.set_aside(rel):
+                continue  # gone meanwhile
+            self.report.add(f"stray {kind}", files=1)
+            self.tick("strays")
+
     def temp_files(self) -> None:
         """Spill files a dead writer left under their temporary names."""
         for path in list(self.files.temp_files()):
@@ -305,7 +315,7 @@ def compact(
         store.try_exclusive()
         work = Compactor(store, report, tick)
         report.before = work.inventory()
-        steps = [work.temp_files, work.corrupt_records, work.dangling_entries]
+        steps = [work.strays, work.temp_files, work.corrupt_records, work.dangling_entries]
         if verify:
             steps.append(work.verify)
         steps += [work.dataless_nodes, work.orphan_files]
