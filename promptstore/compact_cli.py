@@ -40,7 +40,11 @@ examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", help="store directory (default: $PROMPTSTORE_HOME, else the user cache)")
-    p.add_argument("--max-bytes", type=_bytes, help="disk budget for snapshot files (default: the disk_bytes setting)")
+    p.add_argument(
+        "--max-bytes",
+        type=_bytes,
+        help="disk budget for each tenant's snapshot files (default: the disk_bytes setting)",
+    )
     p.add_argument("--verify", action="store_true", help="read every file and check its checksums")
     p.add_argument("--dry-run", action="store_true", help="report what would change, change nothing")
     p.add_argument("--no-lmdb", action="store_true", help="skip the compacting copy of the index")

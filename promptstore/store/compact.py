@@ -268,12 +268,13 @@ class Compactor:
         return True
 
     def budget(self, max_bytes: int) -> None:
-        """Evict leaves, least valuable first, until files fit `max_bytes`."""
-        total = sum(node.record.nbytes for node in self._filed().values())
-        if total <= max_bytes:
+        """Evict leaves, least valuable first, until each tenant's files fit `max_bytes`."""
+        tenants = self.tiers.cold_by_tenant().values()
+        over = sum(max(sum(n.record.nbytes for n in nodes) - max_bytes, 0) for nodes in tenants)
+        if not over:
             return
         if self.dry:
-            self.report.add("over budget", nbytes=total - max_bytes)
+            self.report.add("over budget", nbytes=over)
             return
         nodes, freed = self.tiers.evict_cold(max_bytes)
         self.report.add("over budget", nodes=nodes, files=nodes, nbytes=freed)

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from promptstore import PromptStore
-from promptstore.index import trie
+from promptstore.index import prefix_key, trie
+from promptstore.store.compact import compact
 
 from ..conftest import _model, insert_following_checkpoints, prompt_tokens
 from ._util import TOL, continuation_error, prefill_insert
@@ -294,3 +295,48 @@ def test_a_schema_1_store_keeps_its_unsalted_data_and_drops_its_salted(tmp_path)
     left = {str(p.relative_to(root / "cold")) for p in (root / "cold" / "files").rglob("*.safetensors")}
     assert left == files[plain]
     assert not [p for p in root.rglob("*") if p.is_file() and VICTIM.encode() in p.read_bytes()]
+
+
+# --- budgets: per tenant ------------------------------------------------------------------
+
+ATTACKER_PROMPTS = [prompt_tokens(40, seed=600 + i) for i in range(6)]
+NODE_BYTES = 40 * 2 * 2 * 2 * 16 * 4  # tokens x layers x (keys, values) x KV heads x head dim x float32
+BUDGET = 4 * NODE_BYTES + NODE_BYTES // 2  # four of the attacker's six prompts fit
+
+
+def attacker_keeps(root, victim: bool, tier: str) -> list[int]:
+    """Which of its six prompts the attacker still has in `tier` after storing them all,
+    with or without the victim storing (before) and using (after) prompts of its own."""
+    model = _model("llama")
+    mine = [prompt_tokens(60, seed=seed) for seed in (701, 702, 703)]
+    with PromptStore.open(root, durability="sync", hot_bytes=BUDGET) as store:
+        them = store.bind(model, model_id=MODEL_ID, salt=VICTIM)
+        for tokens in mine if victim else []:
+            prefill_insert(them, model, tokens)
+        attacker = store.bind(model, model_id=MODEL_ID, salt=ATTACKER)
+        for tokens in ATTACKER_PROMPTS:
+            prefill_insert(attacker, model, tokens)
+        for tokens in mine if victim else []:
+            them.fetch(tokens)  # the victim's data is in use: recent, so worth keeping
+        key = attacker.namespace.key
+        hot = [e.node for e in store.tiers.hot.entries.values() if e.node.namespace == key]
+    if tier == "disk":
+        assert compact(root, max_bytes=BUDGET, merge=False, lmdb=False).status == "repaired"
+        with PromptStore.open(root) as store:
+            space = store.bind(model, model_id=MODEL_ID, salt=ATTACKER)
+            kept = [n.id for n in store.index.iter_nodes(space.namespace) if n.record.file]
+    else:
+        kept = hot
+    prompt = {prefix_key(key, t): i for i, t in enumerate(ATTACKER_PROMPTS)}  # one node each
+    return sorted(prompt[n.key] for n in kept)
+
+
+@pytest.mark.parametrize("tier", ["hot", "disk"])
+def test_what_a_tenant_keeps_does_not_depend_on_another_tenants_data(tmp_path, tier):
+    """Issue 16's probe: with the victim's prefixes stored, the attacker kept fewer tokens
+    (1,178 against 1,240), telling it the victim's data was there. Budgets are per tenant
+    now: the attacker keeps exactly the same nodes either way."""
+    alone = attacker_keeps(tmp_path / "alone", victim=False, tier=tier)
+    beside = attacker_keeps(tmp_path / "beside", victim=True, tier=tier)
+    assert 0 < len(alone) < len(ATTACKER_PROMPTS)  # over budget: something was evicted
+    assert beside == alone
