@@ -339,6 +339,34 @@ class Index:
                     bad.append(key)
         return bad
 
+    def repair_children(self, dry_run: bool = False) -> int:
+        """Make children entries agree with the sound nodes they lead to (a full scan):
+        an entry whose node is missing, damaged or not its child goes, and a sound
+        node no entry reaches gets its entry back. Returns the entries changed."""
+
+        def apply(txn, _) -> int:
+            d = self._dbs
+            want: dict[bytes, bytes] = {}
+            for key, _value in txn.cursor(db=d.nodes):
+                try:
+                    node = trie.read_node(txn, d, bytes(key))
+                except IndexStoreError:
+                    continue  # compact drops damaged nodes with their subtrees
+                want.setdefault(keys.child_key(node.parent, int(node.tokens[0])), node.key)
+            wrong = [bytes(k) for k, v in txn.cursor(db=d.children) if want.get(bytes(k)) != bytes(v)]
+            missing = [k for k, v in want.items() if bytes(txn.get(k, db=d.children) or b"") != v]
+            if not dry_run:
+                for entry in wrong:
+                    txn.delete(entry, db=d.children)
+                for entry in missing:
+                    txn.put(entry, want[entry], db=d.children)
+            return len(set(wrong) | set(missing))
+
+        if dry_run:
+            with self._read() as txn:
+                return apply(txn, None)
+        return self._write(apply)
+
     def drop_subtree(self, key: bytes) -> int:
         """Remove node `key` and everything below it, even if its record is
         unreadable (repair). Returns the nodes removed; totals are left to a

@@ -139,6 +139,15 @@ class Compactor:
             self.report.add("temporary files", files=1, nbytes=size)
             self.tick("temporary files")
 
+    def children_entries(self) -> None:
+        """Children entries that lead nowhere or to the wrong node (and sound nodes
+        none leads to): rebuilt from the nodes' own headers. A lookup stops at such
+        an entry and an insert through it is refused, run after run, until then."""
+        changed = self.index.repair_children(dry_run=self.dry)
+        if changed:
+            self.report.add("children entries", nodes=changed)
+            self.tick("children entries")
+
     def dangling_entries(self) -> None:
         """Index entries whose file is missing: they point at nothing."""
         for rel, node in self._filed().items():
@@ -316,7 +325,7 @@ def compact(
         store.try_exclusive()
         work = Compactor(store, report, tick)
         report.before = work.inventory()
-        steps = [work.strays, work.temp_files, work.corrupt_records, work.dangling_entries]
+        steps = [work.strays, work.temp_files, work.corrupt_records, work.children_entries, work.dangling_entries]
         if verify:
             steps.append(work.verify)
         steps += [work.dataless_nodes, work.orphan_files]
