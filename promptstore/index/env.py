@@ -321,6 +321,23 @@ def check_data_file(path: str) -> None:
 _REPAIR = "tools/compact --reset-index sets it aside and starts an empty index"
 
 
+def set_aside(path: str, dry_run: bool = False) -> str | None:
+    """Rename a damaged index directory to `<path>.damaged-<time>` (kept, never deleted),
+    so the next open starts an empty one; a sound index is left alone (None). The
+    caller holds the store idle: no process may have the index open."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        release(acquire(path, DEFAULT_MAP_SIZE, readonly=True, sync=True))
+        return None
+    except IndexCorruptError:
+        pass
+    target = f"{path.rstrip(os.sep)}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    if not dry_run:
+        os.rename(path, target)
+    return target
+
+
 def _page_size(raw: bytes) -> int | None:
     if len(raw) < _META.size:
         return None

@@ -393,6 +393,13 @@ class Index:
         return self._write(apply)
 
     @staticmethod
+    def set_aside(path: str | os.PathLike, dry_run: bool = False) -> str | None:
+        """Move a damaged index (one that opening refuses with IndexCorruptError) aside,
+        kept, so the next open starts empty; returns where it went, None if it is sound.
+        The caller must hold the store idle."""
+        return env.set_aside(os.fspath(path), dry_run)
+
+    @staticmethod
     def compact_in_place(path: str | os.PathLike) -> int:
         """Replace the index at `path` by a compacting copy of itself; returns the
         bytes reclaimed. The caller must hold the store idle (no process has it

@@ -316,11 +316,21 @@ def compact(
     dry_run: bool = False,
     lmdb: bool = True,
     merge: bool = True,
+    reset_index: bool = False,
     tick: Callable[[str], None] = lambda step: None,
 ) -> CompactReport:
-    """Repair and shrink the store at `path`; see the module docstring for what runs when."""
+    """Repair and shrink the store at `path`; see the module docstring for what runs when.
+
+    reset_index: an index that opening refuses as damaged (IndexCorruptError) is moved
+    aside and an empty one started; its snapshot files are then reclaimed as orphans.
+    """
     report = CompactReport(dry_run=dry_run)
     started = time.perf_counter()
+    if reset_index:
+        _reset_index(Path(path), report)
+        if dry_run and report.actions:
+            report.seconds = time.perf_counter() - started
+            return report  # the rest would run on an index that is not there yet
     with PromptStore.open(path, hot_bytes=0) as store:
         store.try_exclusive()
         work = Compactor(store, report, tick)
@@ -349,6 +359,17 @@ def compact(
         report.after = Compactor(store, report, tick).inventory()
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _reset_index(root: Path, report: CompactReport) -> None:
+    """Set a damaged index aside, under the store's exclusive lock."""
+    with PromptStore.lock(root, exclusive=True, blocking=False) as held:
+        if not held:
+            report.errors.append("reset index: the store is in use; run again when it is idle")
+            return
+        moved = Index.set_aside(root / "index", dry_run=report.dry_run)
+        if moved is not None:
+            report.add(f"damaged index set aside (kept as {Path(moved).name})", files=1)
 
 
 def _compact_lmdb(root: Path, report: CompactReport) -> None:

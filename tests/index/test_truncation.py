@@ -91,3 +91,46 @@ def test_a_store_with_a_truncated_index_is_refused(tmp_path, built, keep):
     result = run_isolated(STORE_OPEN, str(root))
     assert child_failure(result) == ""
     assert result.stdout.strip() == "IndexCorruptError"
+
+
+COMPACT = """
+import json, subprocess, sys
+for args in ([], ["--reset-index", "--dry-run"], ["--reset-index"], []):
+    run = subprocess.run([sys.executable, "tools/compact", "--store", sys.argv[1], "--json", *args],
+                         capture_output=True, text=True, timeout=120)
+    out = json.loads(run.stdout) if run.stdout.startswith("{") else {}
+    print(run.returncode, out.get("status"), sorted(out.get("actions", {})))
+"""
+
+
+def test_compact_sets_a_truncated_index_aside_when_told(tmp_path):
+    """The repair path: compact refuses a truncated index like any open does; with
+    --reset-index it moves it aside (kept), starts an empty one and reclaims the files."""
+    from promptstore import PromptStore
+    from promptstore.testing.models import tiny_model
+
+    from ..conftest import forward, prompt_tokens
+
+    root = tmp_path / "store"
+    model = tiny_model("llama")
+    with PromptStore.open(root, durability="sync") as store:
+        space = store.bind(model, model_id="m")
+        tokens = prompt_tokens(20)
+        hit = space.fetch(tokens)
+        forward(model, hit.cache, tokens)
+        space.insert(tokens, hit.cache)
+    data = root / "index" / "data.mdb"
+    damaged = data.read_bytes()[: data.stat().st_size // 2]
+    data.write_bytes(damaged)
+    result = run_isolated(COMPACT, str(root))
+    assert child_failure(result) == ""
+    refused, dry, reset, after = result.stdout.splitlines()
+    # Refused: no report, not the exit status of a clean store (which status a failure
+    # gets is the command's top-level handling).
+    assert refused.split()[0] != "0" and refused.split()[1] == "None"
+    assert dry.startswith("1 repaired ['damaged index set aside")
+    assert reset.startswith("1 repaired ['LMDB space', 'damaged index set aside") and "'orphan files'" in reset
+    assert after.startswith("0 clean")
+    kept = [p for p in root.iterdir() if p.name.startswith("index.damaged-")]
+    assert len(kept) == 1 and (kept[0] / "data.mdb").read_bytes() == damaged
+    assert not list((root / "cold" / "files").rglob("*.safetensors"))
