@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 
 from promptstore import PromptStore
 from promptstore.identity import NodeId
@@ -80,3 +81,28 @@ def test_a_store_with_old_names_keeps_serving(tmp_path, caplog):
         length, err = continuation_error(store.bind(model, model_id="m"), model, TOKENS[:40])
         assert length == 20 and err < TOL
     assert not deep.exists() and len(list((tmp_path / "cold" / "quarantine").iterdir())) == 1
+
+
+def test_the_store_written_at_dd4fc98_keeps_serving(tmp_path, caplog):
+    """tests/data/legacy-store-v2, written by the code before this change (schema 1,
+    file names with spans): it upgrades at its first open, every prompt it stored hits
+    and continues exactly like a full prefill, and compact verifies and keeps every file."""
+    import shutil
+
+    from tests.data.make_legacy_store import FAMILIES, A, B, C
+
+    root = tmp_path / "store"
+    shutil.copytree(Path(__file__).parents[1] / "data" / "legacy-store-v2", root)
+    names = sorted(str(p.relative_to(root / "cold")) for p in (root / "cold" / "files").rglob("*.safetensors"))
+    assert names and all(re.search(r"-\d+-\d+-[0-9a-f]{8}\.safetensors$", n) for n in names)
+    with caplog.at_level(logging.CRITICAL), PromptStore.open(root, hot_bytes=0, checkpoint_interval=16) as store:
+        for family in FAMILIES:
+            space = store.bind(_model(family), model_id=f"legacy-{family}")
+            for tokens in (A, B, C):
+                length, err = continuation_error(space, _model(family), tokens)
+                assert length > 0 and err < TOL, (family, len(tokens))
+        assert not store.tiers.reports, list(store.tiers.reports)
+    report = compact(root, verify=True, merge=False, max_bytes=1 << 30)
+    assert not {"orphan files", "missing files"} & set(report.actions), report.actions
+    assert not any("verify" in k or "stray" in k for k in report.actions), report.actions
+    assert sorted(str(p.relative_to(root / "cold")) for p in (root / "cold" / "files").rglob("*.safetensors")) == names
