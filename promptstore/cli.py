@@ -287,8 +287,12 @@ def _find_namespace(index, args, salt: str | None, root: Path):
             ns = index.namespace(args.namespace)
         except UnknownNamespaceError:
             raise missing from None
-        # Only the salt's holder may read a salted namespace: the fingerprint covers the salt.
-        if Namespace.of(ns.spec.model_copy(update={"salt": salt})).key != ns.key:
+        # Only the salt's holder may read a salted namespace: the fingerprint covers its digest.
+        try:
+            tenant = None if salt is None else index.tenant_digest(salt)
+        except ReadOnlyIndexError:  # no salted namespace was ever made here
+            raise missing from None
+        if Namespace.of(ns.spec.model_copy(update={"tenant": tenant})).key != ns.key:
             raise missing
         return ns
     from .config import Settings

@@ -40,10 +40,19 @@ examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", help="store directory (default: $PROMPTSTORE_HOME, else the user cache)")
-    p.add_argument("--max-bytes", type=_bytes, help="disk budget for snapshot files (default: the disk_bytes setting)")
+    p.add_argument(
+        "--max-bytes",
+        type=_bytes,
+        help="disk budget for each tenant's snapshot files (default: the disk_bytes setting)",
+    )
     p.add_argument("--verify", action="store_true", help="read every file and check its checksums")
     p.add_argument("--dry-run", action="store_true", help="report what would change, change nothing")
     p.add_argument("--no-lmdb", action="store_true", help="skip the compacting copy of the index")
+    p.add_argument(
+        "--reset-index",
+        action="store_true",
+        help="set a damaged (truncated) index aside and start an empty one; its files are reclaimed",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout (progress stays on stderr)")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
@@ -95,7 +104,13 @@ def execute(args: argparse.Namespace) -> int:
             task.update(advance=1, description=f"compacting: {step}")
 
         report = compact(
-            path, max_bytes=budget, verify=args.verify, dry_run=args.dry_run, lmdb=not args.no_lmdb, tick=tick
+            path,
+            max_bytes=budget,
+            verify=args.verify,
+            dry_run=args.dry_run,
+            lmdb=not args.no_lmdb,
+            reset_index=args.reset_index,
+            tick=tick,
         )
     if args.json:
         print(json.dumps({**asdict(report), "status": report.status}, indent=2))

@@ -27,9 +27,14 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     hot_bytes: int = Field(
-        2 * GiB, ge=0, description="memory budget of the hot tier (per process); 0 keeps nothing hot"
+        2 * GiB,
+        ge=0,
+        description="memory budget of the hot tier per process and tenant (the namespaces of one salt, "
+        "or of none); 0 keeps nothing hot",
     )
-    disk_bytes: int = Field(32 * GiB, ge=0, description="disk budget of the cold tier, brought back by evicting leaves")
+    disk_bytes: int = Field(
+        32 * GiB, ge=0, description="disk budget of the cold tier per tenant, brought back by evicting leaves"
+    )
     durability: Literal["write_back", "write_through", "sync"] = Field(
         "write_back",
         description="write_back: spill on eviction and close; write_through: queue every insert for disk; "

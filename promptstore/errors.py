@@ -74,6 +74,15 @@ class InvalidTokensError(IndexStoreError, ValueError):
     """Tokens that are not a non-empty sequence of 32-bit non-negative ints."""
 
 
+class TokenRangeError(InvalidTokensError):
+    """A token id at or past the model's vocabulary size (the embedding would read out of bounds)."""
+
+
+class IndexCorruptError(IndexStoreError):
+    """The index's data file is damaged (shorter than its header says, or empty in a used
+    store): opening it would crash the process or serve an empty store, so it is refused."""
+
+
 class SchemaVersionError(IndexStoreError):
     """The store was written by a schema this code cannot read."""
 

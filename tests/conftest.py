@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -63,3 +69,29 @@ def greedy(model, cache, logits: mx.array, n: int) -> list[int]:
 
 def fresh_cache(model, kv_bits=None):
     return C.make_prompt_cache(model, kv_bits=kv_bits, kv_group_size=32 if kv_bits else 64)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_isolated(source: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run Python `source` in a child process (argv[1:] = args), so that a signal that
+    would kill the interpreter (SIGBUS, SIGSEGV) shows as a test failure, not a dead run."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
+
+
+def child_failure(result: subprocess.CompletedProcess) -> str:
+    """'' if the child exited 0, else why not (the signal's name if it died of one)."""
+    if result.returncode == 0:
+        return ""
+    if result.returncode < 0:
+        return f"killed by {signal.Signals(-result.returncode).name}: {result.stderr[-2000:]}"
+    return f"exit status {result.returncode}: {result.stderr[-2000:]}"

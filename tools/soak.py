@@ -2,7 +2,7 @@
 """Soak runs of promptstore's failure handling: crash injection, corruption fuzz
 and multi-process load. Prints figures and writes JSON (bench-results/soak.json).
 
-    tools/soak.py                 300 SIGKILLs, 200 fuzz cases, 4 x 150 operations: about 20 minutes on 2 cores
+    tools/soak.py                 300 + 60 SIGKILLs, 200 + 100 fuzz cases, 4 x 150 operations, ...: see make soak
     tools/soak.py --quick         about a minute
     tools/soak.py --minutes 10    each selected section runs about 10 minutes
     tools/soak.py --only fuzz --fuzz-cases 2000
@@ -18,6 +18,19 @@ Sections (goals in brackets):
                (Damage to LMDB's own pages is out of scope: LMDB has no page checksums.)
   concurrency  P processes x N mixed fetch / insert / compact / reopen operations on one
                store (tests/reliability/_mixed_worker.py): errors [0], unverified hits [0].
+  compact_crash  compact (tests/reliability/_compact_worker.py) SIGKILLed at random instants of
+               its work, a writer growing the store between kills; after each kill the store
+               opens and every hit is checked: corrupt hits [0], failed opens [0], fetch errors [0],
+               compacts failing on their own [0]; then a compact let finish leaves no temporary,
+               unnamed or missing file [0] and the next finds nothing to repair [0].
+  index_damage  a copy of a built store with one bit flipped in index/data.mdb at a record a
+               lookup reads (a node's header or record, its edge, the children entry leading to
+               it, the namespace spec; every copy of it in the file), or data.mdb truncated (in a
+               child process: a signal counts as escaped), then opened, probed, compacted, probed:
+               exceptions escaped [0], wrong state served [0].
+  memory       a process whose hot tier is four nodes wide inserts and fetches with write_back
+               (tests/reliability/_memory_worker.py): its anonymous RSS after the first half of
+               the run grows less than 8 MiB [over bound: 0].
 """
 
 from __future__ import annotations
@@ -427,6 +440,233 @@ def concurrency(args, work: Path) -> dict:
     }
 
 
+# --- compact killed ------------------------------------------------------------------------------
+
+
+def compact_crash(args, work: Path) -> dict:
+    from tests.reliability.test_compact_crash import kill_compact, repaired_for_good
+    from tests.store.test_crash import Checker
+
+    started, stats = now(), Counter()
+    root = work / "compact-crash"
+    checker = kill_compact(root, kills=args.compact_kills, seed=args.seed, stats=stats)
+    after = repaired_for_good(root)
+    final = Checker(args.seed + 1)
+    final.check(root)
+    result = {
+        "kills": stats["killed"],
+        "finished": stats["finished"],
+        "compact_errors": stats["compact_errors"],
+        **{k: checker.stats.get(k, 0) for k in ("fetches", "hits", "corrupt_hits", "failed_opens", "fetch_errors")},
+        "after": after,
+        "leftovers": after["temp_files"] + after["unnamed_files"] + after["missing_files"],
+        "repairs_left": len(after["second_repairs"]),
+        "final_hits": final.stats.get("hits", 0),
+        "final_corrupt_hits": final.stats.get("corrupt_hits", 0),
+        "problems": [repr(r)[:300] for r in checker.reports if r[0] != "report" or r[1][0] != "missing"][:10],
+        "seconds": round(now() - started, 1),
+    }
+    print(
+        f"  compact_crash: kills={result['kills']} (finished {result['finished']}) fetches={result['fetches']} "
+        f"hits={result['hits']} corrupt_hits={result['corrupt_hits']} failed_opens={result['failed_opens']} "
+        f"fetch_errors={result['fetch_errors']} compact_errors={result['compact_errors']} | then compact "
+        f"{after['first']}, leftovers={result['leftovers']}, next compact repairs={after['second_repairs']}, "
+        f"corrupt hits after={result['final_corrupt_hits']} ({result['seconds']} s)",
+        flush=True,
+    )
+    return result
+
+
+# --- index damage ----------------------------------------------------------------------------------
+
+
+def _lookup_records(fz: FuzzStore, rng) -> list[tuple[str, bytes, bytes]]:
+    """(what, key, value) of every record a lookup of a random probe reads."""
+    import lmdb
+
+    from promptstore.index import keys
+
+    probe = rng.choice(fz.probes)
+    with fz.PromptStore.open(fz.root, hot_bytes=0) as store:
+        space = store.bind(fz.model, model_id="fuzz")
+        path, ns = store.index.lookup(space.namespace, probe).path, space.namespace.key
+    env = lmdb.open(str(fz.root / "index"), max_dbs=16, readonly=True, lock=False)
+    out = []
+    try:
+        with env.begin() as txn:
+
+            def get(db, key):
+                return bytes(txn.get(key, db=env.open_db(db, txn=txn, create=False)))
+
+            out.append(("namespace spec", ns, get(b"namespaces", ns)))
+            for node in path:
+                entry = keys.child_key(node.parent, int(node.tokens[0]))
+                out += [
+                    ("node record", node.key, get(b"nodes", node.key)),
+                    ("edge tokens", node.key, get(b"edges", node.key)),
+                    ("children entry", entry, get(b"children", entry)),
+                ]
+    finally:
+        env.close()
+    return out
+
+
+def _flip_record(data: Path, key: bytes, value: bytes, at: int, bit: int) -> int:
+    raw = bytearray(data.read_bytes())
+    copies, start = 0, 0
+    while (i := raw.find(key + value, start)) >= 0:
+        raw[i + len(key) + at] ^= 1 << bit
+        copies, start = copies + 1, i + 1
+    data.write_bytes(bytes(raw))
+    return copies
+
+
+TRUNCATED_OPEN = """
+import sys
+from promptstore import PromptStore
+from promptstore.errors import PromptStoreError
+try:
+    PromptStore.open(sys.argv[1], hot_bytes=0).close()
+    print("opened")
+except PromptStoreError as e:
+    print("refused", type(e).__name__)
+"""
+
+
+def index_damage(args, work: Path) -> dict:
+    from promptstore.errors import PromptStoreError
+    from promptstore.store.compact import compact
+    from tests.conftest import child_failure, run_isolated
+
+    started = now()
+    fz = FuzzStore(work / "index-damage", args.seed)
+    rng = random.Random(args.seed)
+    totals, by_damage, escapes = Counter(), {}, Counter()
+    previous = None
+    for case in range(args.damage_cases):
+        case_root = work / f"index-damage-case-{case}"
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        previous = case_root
+        shutil.copytree(fz.root, case_root)
+        data = case_root / "index" / "data.mdb"
+        escaped, wrong, detected = [], 0, False
+        if rng.random() < 0.15:
+            what = "truncated data.mdb"
+            size = data.stat().st_size
+            data.write_bytes(data.read_bytes()[: rng.choice([0, rng.randrange(1, size)])])
+            result = run_isolated(TRUNCATED_OPEN, str(case_root))
+            if child_failure(result):
+                escaped.append(f"open: {child_failure(result)[:120]}")
+            detected = result.stdout.startswith("refused")
+            wrong = int(result.stdout.startswith("opened"))  # a cut file served as an empty store
+        else:
+            what, key, value = rng.choice(_lookup_records(fz, rng))
+            if not _flip_record(data, key, value, rng.randrange(len(value)), rng.randrange(8)):
+                totals["not_found"] += 1
+                continue
+            res = fz.serve(case_root)
+            try:
+                report = compact(case_root, verify=True, max_bytes=1 << 30)
+                compact_found = report.changed or report.status == "failed"
+            except PromptStoreError:
+                compact_found = True
+            except Exception as e:  # noqa: BLE001
+                escaped.append(f"compact: {signature(e)}")
+                compact_found = False
+            after = fz.serve(case_root)
+            escaped += res["escaped"] + after["escaped"]
+            wrong = res["wrong"] + after["wrong"]
+            shorter = any(a < b for a, b in zip(res["lengths"], fz.baseline))
+            detected = bool(res["refused"] or sum(res["reports"].values()) or shorter or compact_found)
+        outcome = "escaped" if escaped else "wrong" if wrong else "detected" if detected else "harmless"
+        by_damage.setdefault(what, Counter())[outcome] += 1
+        totals["cases"] += 1
+        totals[outcome] += 1
+        for e in escaped:
+            escapes[f"{what}: {e}"] += 1
+    result = {
+        "cases": totals["cases"],
+        "detected": totals["detected"],
+        "harmless": totals["harmless"],
+        "exceptions_escaped": totals["escaped"],
+        "wrong_state_served": totals["wrong"],
+        "escapes": dict(escapes.most_common(20)),
+        "by_damage": {k: dict(v) for k, v in sorted(by_damage.items())},
+        "seconds": round(now() - started, 1),
+    }
+    print(
+        f"  index_damage: cases={result['cases']} detected={result['detected']} harmless={result['harmless']} "
+        f"exceptions_escaped={result['exceptions_escaped']} wrong_state_served={result['wrong_state_served']} "
+        f"({result['seconds']} s)",
+        flush=True,
+    )
+    for k, v in result["escapes"].items():
+        print(f"    escaped ({v} times): {k}")
+    for k, v in result["by_damage"].items():
+        print(f"    {k:32s} {v}")
+    return result
+
+
+# --- memory under eviction pressure -------------------------------------------------------------
+
+MEMORY_BOUND = 8 << 20
+
+
+def memory(args, work: Path) -> dict:
+    import subprocess
+
+    node = 128 * 2 * 2 * 2 * 16 * 4  # one 128-token node of the tiny llama, float32
+    started = now()
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests/reliability/_memory_worker.py"),
+            str(work / "memory"),
+            str(args.memory_ops),
+            str(4 * node),
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=7200,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    samples = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    if run.returncode != 0 or not samples:
+        print(f"  memory: worker failed: {run.stderr[-500:]}", flush=True)
+        return {"failed": run.stderr[-2000:], "over_bound": 1}
+    warm = next(s for s in samples if s["op"] >= args.memory_ops // 2)
+    last = samples[-1]
+    mib = 1 / 2**20
+    result = {
+        "ops": args.memory_ops,
+        "hot_budget": 4 * node,
+        "hot_max": max(s["hot"] for s in samples),
+        "spills": last["spills"],
+        "cold_loads": last["cold_loads"],
+        "rss_anon_mib": [round(s["rss_anon"] * mib, 1) for s in samples],
+        "rss_mib": [round(s["rss"] * mib, 1) for s in samples],
+        "ops_sampled": [s["op"] for s in samples],
+        "anon_growth_second_half_mib": round((last["rss_anon"] - warm["rss_anon"]) * mib, 2),
+        "rss_growth_second_half_mib": round((last["rss"] - warm["rss"]) * mib, 2),
+        "spills_second_half": last["spills"] - warm["spills"],
+        "bound_mib": MEMORY_BOUND * mib,
+        "seconds": round(now() - started, 1),
+    }
+    result["over_bound"] = int(last["rss_anon"] - warm["rss_anon"] >= MEMORY_BOUND)
+    print(
+        f"  memory: {result['ops']} ops, hot budget {result['hot_budget']} B (max held {result['hot_max']}), "
+        f"spills={result['spills']} cold_loads={result['cold_loads']}; anonymous RSS "
+        f"{result['rss_anon_mib'][0]} -> {round(warm['rss_anon'] * mib, 1)} (op {warm['op']}) -> "
+        f"{result['rss_anon_mib'][-1]} MiB: +{result['anon_growth_second_half_mib']} MiB over the second half "
+        f"({result['spills_second_half']} spills; bound {result['bound_mib']:.0f} MiB); all RSS "
+        f"+{result['rss_growth_second_half_mib']} MiB (the index's mapped pages grow with it) ({result['seconds']} s)",
+        flush=True,
+    )
+    return result
+
+
 # --- main ----------------------------------------------------------------------------------------
 
 
@@ -437,13 +677,18 @@ def parse(argv=None):
         epilog="\n".join(__doc__.splitlines()[2:]),
     )
     p.add_argument("--quick", action="store_true", help="a short run (about a minute)")
-    p.add_argument("--only", default="crash,fuzz,concurrency", help="comma-separated sections")
+    p.add_argument(
+        "--only", default="crash,fuzz,concurrency,compact_crash,index_damage,memory", help="comma-separated sections"
+    )
     p.add_argument("--minutes", type=float, help="run each section about this long (counts are then ignored)")
     p.add_argument("--crash-trials", type=int, help="SIGKILL trials per durability (default 100; quick 2)")
     p.add_argument("--crash-durability", default="sync,write_through,write_back")
     p.add_argument("--fuzz-cases", type=int, help="damaged copies to probe (default 200; quick 30)")
     p.add_argument("--procs", type=int, default=4, help="concurrent processes")
     p.add_argument("--ops", type=int, help="operations per process (default 150; quick 40)")
+    p.add_argument("--compact-kills", type=int, help="SIGKILLs of compact (default 60; quick 4)")
+    p.add_argument("--damage-cases", type=int, help="damaged index copies to probe (default 100; quick 12)")
+    p.add_argument("--memory-ops", type=int, help="operations of the memory run (default 4000; quick 800)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(REPO / "bench-results" / "soak.json"))
     p.add_argument("--work", help="scratch directory (default: a new temporary one, removed afterwards)")
@@ -452,14 +697,27 @@ def parse(argv=None):
     args.crash_trials = args.crash_trials or (2 if args.quick else 100)
     args.fuzz_cases = args.fuzz_cases or (30 if args.quick else 200)
     args.ops = args.ops or (40 if args.quick else 150)
+    args.compact_kills = args.compact_kills or (4 if args.quick else 60)
+    args.damage_cases = args.damage_cases or (12 if args.quick else 100)
+    args.memory_ops = args.memory_ops or (800 if args.quick else 4000)
     args.crash_durability = args.crash_durability.split(",")
     if args.quick and "--crash-durability" not in " ".join(argv or sys.argv):
         args.crash_durability = ["sync", "write_through"]
     args.only = [s for s in args.only.split(",") if s]
-    unknown = set(args.only) - {"crash", "fuzz", "concurrency"}
+    unknown = set(args.only) - set(SECTIONS)
     if unknown:
         p.error(f"unknown sections: {sorted(unknown)}")
     return args
+
+
+SECTIONS = {
+    "crash": crash,
+    "fuzz": fuzz,
+    "concurrency": concurrency,
+    "compact_crash": compact_crash,
+    "index_damage": index_damage,
+    "memory": memory,
+}
 
 
 def environment() -> dict:
@@ -486,7 +744,7 @@ def main(argv=None) -> int:
     print(f"soak: {config}", flush=True)
     result = {"config": config, "environment": environment(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     started = now()
-    sections = {"crash": crash, "fuzz": fuzz, "concurrency": concurrency}
+    sections = SECTIONS
     try:
         for name in args.only:
             print(f"{name}:", flush=True)
@@ -505,6 +763,21 @@ def main(argv=None) -> int:
         "fuzz_wrong_state_served": result.get("fuzz", {}).get("wrong_state_served"),
         "concurrency_errors": result.get("concurrency", {}).get("totals", {}).get("errors"),
         "concurrency_unverified": result.get("concurrency", {}).get("totals", {}).get("unverified"),
+        **{
+            f"compact_crash_{k}": result.get("compact_crash", {}).get(k)
+            for k in (
+                "corrupt_hits",
+                "failed_opens",
+                "fetch_errors",
+                "compact_errors",
+                "leftovers",
+                "repairs_left",
+                "final_corrupt_hits",
+            )
+        },
+        "index_damage_exceptions_escaped": result.get("index_damage", {}).get("exceptions_escaped"),
+        "index_damage_wrong_state_served": result.get("index_damage", {}).get("wrong_state_served"),
+        "memory_over_bound": result.get("memory", {}).get("over_bound"),
     }
     result["goals"] = {k: v for k, v in goals.items() if v is not None}
     out = Path(args.out)

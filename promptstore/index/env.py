@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import threading
 import time
 import weakref
@@ -18,15 +19,21 @@ from typing import TypeVar
 
 import lmdb
 
-from promptstore.errors import IndexStoreError, ReadOnlyIndexError, SchemaVersionError
+from promptstore.errors import IndexCorruptError, IndexStoreError, ReadOnlyIndexError, SchemaVersionError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# 1: namespace specs held tenant salts in clear; upgraded by the first writable open (upgrade.py).
+READABLE_SCHEMAS = (1, 2)
 DEFAULT_MAP_SIZE = 64 << 20
 DB_NAMES = ("namespaces", "nodes", "edges", "children", "access", "counters", "meta")
 SCHEMA_KEY = b"schema_version"
 MAX_READERS = 512  # one slot per concurrently open read txn, across all processes
 _MAX_GROWTHS = 48  # doublings; far past any disk
 _RESIZE_WAIT_S = 60.0
+
+# What LMDB says of pages that are not what they should be (it has no checksums of
+# its own, so this is what it happens to notice).
+DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError)
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -130,6 +137,8 @@ class Environment:
         txn = self._begin(write=False)
         try:
             yield txn
+        except DAMAGE as e:
+            raise IndexCorruptError(f"LMDB index at {self.path} is damaged: {e}") from e
         finally:
             txn.abort()
             self._gate.leave()
@@ -160,6 +169,8 @@ class Environment:
                 break
             except lmdb.MapFullError:
                 pass
+            except DAMAGE as e:
+                raise IndexCorruptError(f"LMDB index at {self.path} is damaged: {e}") from e
             except lmdb.Error as e:
                 raise IndexStoreError(f"LMDB write failed at {self.path}: {e}") from e
             finally:
@@ -258,11 +269,90 @@ def compact_in_place(path: str) -> int:
     return max(before - os.stat(data).st_size, 0)
 
 
+# LMDB 0.9's meta page (two of them, pages 0 and 1): a 16-byte page header, then
+# magic, version, map address, map size, the free and main databases (48 bytes each:
+# the free one's first field holds the page size; each ends with its root page),
+# the last page used and the transaction id.
+_META = struct.Struct("<16xIIQQI36xQ40xQQQ")
+_META_MAGIC, _META_VERSION = 0xBEEFC0DE, 1
+_NO_PAGE = 2**64 - 1  # the root of an empty database
+
+
+def check_data_file(path: str) -> None:
+    """Refuse (IndexCorruptError) a data file LMDB would map past its end.
+
+    LMDB maps data.mdb and trusts its meta pages: a page they name beyond the end
+    of a truncated file faults (SIGBUS) when read, killing the process. LMDB writes
+    both meta pages when it creates a file, so an empty data.mdb is a lost index,
+    not a new one: opening it as an empty store would let compact delete every
+    snapshot file it named as an orphan.
+    """
+    data = os.path.join(path, "data.mdb")
+    try:
+        fd = os.open(data, os.O_RDONLY)
+    except FileNotFoundError:
+        return  # a new index
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _META.size, 0)
+        page = _page_size(head)
+        if page is not None and size >= 2 * page:
+            second = os.pread(fd, _META.size, page)
+    finally:
+        os.close(fd)
+    if size == 0:
+        raise IndexCorruptError(f"{data} is empty: the index was truncated and is lost ({_REPAIR})")
+    if page is None:
+        return  # not LMDB's meta page: lmdb.open refuses it
+    if size < 2 * page:
+        raise IndexCorruptError(f"{data} is {size} bytes, shorter than its two meta pages ({_REPAIR})")
+    metas = [_META.unpack(raw) for raw in (head, second) if _page_size(raw) is not None]
+    meta = max(metas, key=lambda m: m[-1])  # LMDB uses the newer of the two
+    last, roots = meta[-2], (meta[5], meta[6])
+    needed = (last + 1) * page
+    if size < needed:
+        raise IndexCorruptError(
+            f"{data} is {size} bytes but its meta page names pages up to byte {needed}: truncated ({_REPAIR})"
+        )
+    if any(root != _NO_PAGE and root > last for root in roots):
+        raise IndexCorruptError(f"{data}: a database root lies past the last page ({_REPAIR})")
+
+
+_REPAIR = "tools/compact --reset-index sets it aside and starts an empty index"
+
+
+def set_aside(path: str, dry_run: bool = False) -> str | None:
+    """Rename a damaged index directory to `<path>.damaged-<time>` (kept, never deleted),
+    so the next open starts an empty one; a sound index is left alone (None). The
+    caller holds the store idle: no process may have the index open."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        release(acquire(path, DEFAULT_MAP_SIZE, readonly=True, sync=True))
+        return None
+    except IndexCorruptError:
+        pass
+    target = f"{path.rstrip(os.sep)}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    if not dry_run:
+        os.rename(path, target)
+    return target
+
+
+def _page_size(raw: bytes) -> int | None:
+    if len(raw) < _META.size:
+        return None
+    magic, version, _, _, page = _META.unpack(raw)[:5]
+    if magic != _META_MAGIC or version != _META_VERSION or page < 512 or page > 65536 or page & (page - 1):
+        return None
+    return page
+
+
 def _open(path: str, map_size: int, readonly: bool, sync: bool) -> Environment:
     if readonly and not os.path.isdir(path):
         raise IndexStoreError(f"no index at {path}")
     if not readonly:
         os.makedirs(path, mode=0o700, exist_ok=True)
+    check_data_file(path)
     try:
         env = lmdb.open(
             path,
@@ -279,6 +369,8 @@ def _open(path: str, map_size: int, readonly: bool, sync: bool) -> Environment:
             max_readers=MAX_READERS,
             max_spare_txns=4,
         )
+    except DAMAGE as e:
+        raise IndexCorruptError(f"cannot open LMDB index at {path}: {e} ({_REPAIR})") from e
     except lmdb.Error as e:
         raise IndexStoreError(f"cannot open LMDB index at {path}: {e}") from e
     try:
@@ -298,6 +390,8 @@ def _open_dbs(env: lmdb.Environment, path: str, readonly: bool) -> Dbs:
             return _open_readonly_dbs(env, path) if readonly else _open_writable_dbs(env)
         except lmdb.MapResizedError:
             env.set_mapsize(0)
+        except DAMAGE as e:
+            raise IndexCorruptError(f"cannot open the databases of {path}: {e} ({_REPAIR})") from e
         except lmdb.Error as e:
             if isinstance(e, lmdb.NotFoundError):
                 raise
@@ -343,7 +437,7 @@ def _refuse_foreign(txn: lmdb.Transaction) -> None:
 
 def _check_schema(found: bytes | None) -> None:
     text = None if found is None else bytes(found).decode("ascii", "replace")
-    if text != str(SCHEMA_VERSION):
-        error = SchemaVersionError(f"index schema version {text!r}, this code reads version {SCHEMA_VERSION} only")
+    if text not in {str(v) for v in READABLE_SCHEMAS}:
+        error = SchemaVersionError(f"index schema version {text!r}, this code reads versions {READABLE_SCHEMAS}")
         error.found, error.expected = text, SCHEMA_VERSION
         raise error

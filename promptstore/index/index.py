@@ -7,6 +7,7 @@ counters; the logic of each lives in the module named after it.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable, Iterable, Iterator
 from typing import Self
 
@@ -23,14 +24,16 @@ from promptstore.errors import (
 )
 
 from . import access, counters, env, keys, trie
-from .namespace import Namespace, NamespaceSpec
+from .namespace import Namespace, NamespaceSpec, tenant_digest
 from .records import Node, NodeRecord, check_record_layout
 from .trie import InsertPlan, InsertResult, Match, SplitRecords
+from .upgrade import upgrade
 
 # A pair of records for a split, or a function of the plan that makes them (bulk inserts).
 SplitRecordsArg = SplitRecords | Callable[[InsertPlan], SplitRecords] | None
 
 _BATCH = 256  # nodes read per transaction by the iterators, so none holds a reader long
+_TENANT_KEY = b"tenant_key"  # in meta: the key of tenant_digest, random per store
 
 
 class Index:
@@ -55,8 +58,16 @@ class Index:
         map_size: initial LMDB map in bytes; it grows when full.
         sync: False skips fsync at commit (faster; a system crash may lose the last commits).
         The first open of a path in a process sets map_size and sync for every later one.
+        A writable open upgrades an index of an older schema (see upgrade.py).
         """
-        return cls(env.acquire(path, map_size, readonly, sync), readonly)
+        index = cls(env.acquire(path, map_size, readonly, sync), readonly)
+        if not readonly:
+            try:
+                upgrade(index._env)
+            except BaseException:
+                index.close()
+                raise
+        return index
 
     def close(self) -> None:
         if not self._closed:
@@ -76,14 +87,17 @@ class Index:
     # --- namespaces -------------------------------------------------------
 
     def register_namespace(self, spec: NamespaceSpec) -> Namespace:
-        """Store `spec` (idempotent) and return its Namespace."""
+        """Store `spec` (idempotent) and return its Namespace.
+
+        A stored spec that no longer hashes to its key was damaged; `spec` hashes to
+        that key, so it is what was stored there, and it is written back.
+        """
         ns = Namespace.of(spec)
 
         def needs_put(txn) -> bool:
             stored = txn.get(ns.key, db=self._dbs.namespaces)
             if stored is not None:
-                _same_spec(ns, bytes(stored))  # another process got there first
-                return False
+                return not _same_spec(ns, bytes(stored))  # another process got there first
             if txn.get(ns.key, db=self._dbs.nodes) is not None:
                 raise KeyCollisionError(f"namespace fingerprint {ns.hex} is a node's key")
             return True
@@ -93,12 +107,34 @@ class Index:
                 txn.put(ns.key, spec.model_dump_json().encode(), db=self._dbs.namespaces)
 
         stored = self._stored_spec(ns.key)
-        if stored is None:
+        if stored is None or not _same_spec(ns, stored):
             self._write(put, needs_put)
-        else:
-            _same_spec(ns, stored)
         self._namespaces[ns.key] = ns
         return ns
+
+    def tenant_digest(self, salt: str) -> str:
+        """What a namespace holds for a tenant's salt: scrypt keyed by this store's tenant key."""
+        return tenant_digest(salt, self._tenant_key())
+
+    def _tenant_key(self) -> bytes:
+        # Made by the first bind that needs it; one write txn, so concurrent binds agree.
+        with self._read() as txn:
+            key = txn.get(_TENANT_KEY, db=self._dbs.meta)
+            if key is not None:
+                return bytes(key)
+
+        def made(txn) -> bytes | None:
+            found = txn.get(_TENANT_KEY, db=self._dbs.meta)
+            return None if found is None else bytes(found)
+
+        def put(txn, found: bytes | None) -> bytes:
+            if found is not None:
+                return found
+            key = secrets.token_bytes(32)
+            txn.put(_TENANT_KEY, key, db=self._dbs.meta)
+            return key
+
+        return self._write(put, made)
 
     def namespace(self, key: bytes | str) -> Namespace:
         """A registered namespace by fingerprint (bytes or hex)."""
@@ -303,6 +339,34 @@ class Index:
                     bad.append(key)
         return bad
 
+    def repair_children(self, dry_run: bool = False) -> int:
+        """Make children entries agree with the sound nodes they lead to (a full scan):
+        an entry whose node is missing, damaged or not its child goes, and a sound
+        node no entry reaches gets its entry back. Returns the entries changed."""
+
+        def apply(txn, _) -> int:
+            d = self._dbs
+            want: dict[bytes, bytes] = {}
+            for key, _value in txn.cursor(db=d.nodes):
+                try:
+                    node = trie.read_node(txn, d, bytes(key))
+                except IndexStoreError:
+                    continue  # compact drops damaged nodes with their subtrees
+                want.setdefault(keys.child_key(node.parent, int(node.tokens[0])), node.key)
+            wrong = [bytes(k) for k, v in txn.cursor(db=d.children) if want.get(bytes(k)) != bytes(v)]
+            missing = [k for k, v in want.items() if bytes(txn.get(k, db=d.children) or b"") != v]
+            if not dry_run:
+                for entry in wrong:
+                    txn.delete(entry, db=d.children)
+                for entry in missing:
+                    txn.put(entry, want[entry], db=d.children)
+            return len(set(wrong) | set(missing))
+
+        if dry_run:
+            with self._read() as txn:
+                return apply(txn, None)
+        return self._write(apply)
+
     def drop_subtree(self, key: bytes) -> int:
         """Remove node `key` and everything below it, even if its record is
         unreadable (repair). Returns the nodes removed; totals are left to a
@@ -327,6 +391,13 @@ class Index:
             return removed
 
         return self._write(apply)
+
+    @staticmethod
+    def set_aside(path: str | os.PathLike, dry_run: bool = False) -> str | None:
+        """Move a damaged index (one that opening refuses with IndexCorruptError) aside,
+        kept, so the next open starts empty; returns where it went, None if it is sound.
+        The caller must hold the store idle."""
+        return env.set_aside(os.fspath(path), dry_run)
 
     @staticmethod
     def compact_in_place(path: str | os.PathLike) -> int:
@@ -416,11 +487,21 @@ class Index:
 
 def _decode_spec(key: bytes, stored: bytes) -> NamespaceSpec:
     try:
-        return NamespaceSpec.model_validate_json(stored)
+        spec = NamespaceSpec.model_validate_json(stored)
     except ValidationError as e:
         raise CorruptRecordError(f"namespace {key.hex()}: spec does not validate: {e}") from e
+    if spec.fingerprint() != key:
+        raise CorruptRecordError(f"namespace {key.hex()}: spec does not hash to its key")
+    return spec
 
 
-def _same_spec(ns: Namespace, stored: bytes) -> None:
-    if _decode_spec(ns.key, stored) != ns.spec:
+def _same_spec(ns: Namespace, stored: bytes) -> bool:
+    """Whether `stored` is ns's spec; False if it is damaged (to be written again)."""
+    try:
+        found = _decode_spec(ns.key, stored)
+    except CorruptRecordError as e:
+        trie.log.warning("rewriting a damaged namespace spec: %s", e)
+        return False
+    if found != ns.spec:
         raise KeyCollisionError(f"namespace fingerprint {ns.hex} is taken by another spec")
+    return True

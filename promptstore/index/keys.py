@@ -23,6 +23,9 @@ _TOKEN = struct.Struct(">I")  # big-endian so a node's children sort by first to
 
 def as_tokens(tokens) -> np.ndarray:
     """Tokens as a 1-D little-endian uint32 array; InvalidTokensError otherwise."""
+    if isinstance(tokens, (list, tuple)) and bool in set(map(type, tokens)):
+        # bool is an int to array and numpy alike: [True, False] would pass as [1, 0].
+        raise InvalidTokensError("tokens must be ints, not bools")
     if _NATIVE_U32 and isinstance(tokens, (list, tuple)) and tokens:
         try:
             # Three times faster than numpy on a list, and it range-checks every token.

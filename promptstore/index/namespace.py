@@ -1,11 +1,14 @@
 """Namespaces: everything that makes a cache valid, reduced to a 16-byte fingerprint.
 
 The fingerprint is the root key of a namespace's trie and seeds every node key in
-it, so two namespaces never share a node.
+it, so two namespaces never share a node. A tenant's salt enters it only as a
+keyed, slow digest (tenant_digest): no spec, key or file holds the salt itself.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -30,6 +33,11 @@ WHOLE_STATE_KINDS = frozenset({"rotating", "arrays", "batch_rotating"})
 
 # Bumped only if the canonical encoding changes; old fingerprints then stop matching.
 _FINGERPRINT_VERSION = 1
+
+# scrypt at its interactive cost (N=2**14, r=8: 16 MiB and tens of milliseconds per
+# guess), keyed by a random key of each store, so that a reader of the index can only
+# test guesses of a salt, one store at a time, at that cost each.
+_SCRYPT = {"n": 2**14, "r": 8, "p": 1, "dklen": 16}
 
 
 class LayerSpec(BaseModel):
@@ -80,15 +88,33 @@ def _whole_state_of(kind: Any, children: list[Any]) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=1024)  # a server binds each tenant again and again
+def tenant_digest(salt: str, key: bytes) -> str:
+    """The keyed, slow digest of a tenant's salt that a namespace holds (hex, 32 digits)."""
+    return hashlib.scrypt(salt.encode(), salt=key, **_SCRYPT).hex()
+
+
 class NamespaceSpec(BaseModel):
-    """Model identity, per-layer cache layout and an optional tenant salt."""
+    """Model identity, per-layer cache layout and an optional tenant (a digest of its salt)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model_id: str | None = None
     weights_digest: str | None = None
     layers: list[LayerSpec] = Field(min_length=1)
-    salt: str | None = None
+    tenant: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{32}$", description="tenant_digest of the salt, never the salt"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_clear_salt(cls, data: Any) -> Any:
+        # Schema 1 stored {"salt": null} in every unsalted spec, and the salt itself in salted ones.
+        if isinstance(data, dict) and "salt" in data:
+            if data["salt"] is not None:
+                raise ValueError("the spec holds a tenant salt in clear (written by schema 1)")
+            data = {k: v for k, v in data.items() if k != "salt"}
+        return data
 
     @model_validator(mode="after")
     def _identity_required(self) -> NamespaceSpec:
@@ -98,7 +124,11 @@ class NamespaceSpec(BaseModel):
 
     def canonical_json(self) -> bytes:
         """The encoding the fingerprint hashes: sorted keys, no whitespace."""
-        doc = {"v": _FINGERPRINT_VERSION, "spec": self.model_dump(mode="json")}
+        spec = self.model_dump(mode="json", exclude={"tenant"})
+        # The tenant sits where schema 1 put the salt, so that unsalted namespaces
+        # (salt null then, tenant null now) keep their fingerprints and their nodes.
+        spec["salt"] = self.tenant
+        doc = {"v": _FINGERPRINT_VERSION, "spec": spec}
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
     def fingerprint(self) -> bytes:

@@ -159,6 +159,11 @@ def _checksum(unsummed, edge) -> int:
     return xxhash.xxh3_64_intdigest(edge, seed=xxhash.xxh3_64_intdigest(unsummed))
 
 
+def stored_namespace(value) -> bytes | None:
+    """The namespace in a stored node's header, unverified (None if too short to hold one)."""
+    return bytes(value[11:27]) if len(value) >= _HEADER.size else None
+
+
 def decode_node(key: bytes, value, edge) -> Node:
     """Parse and verify a stored node (buffers from a read txn); CorruptRecordError if bad."""
     if value is None or edge is None:

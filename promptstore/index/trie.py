@@ -27,7 +27,7 @@ from promptstore.errors import (
 from . import access, counters, keys
 from .env import Dbs
 from .namespace import Namespace
-from .records import Node, NodeRecord, check_record_layout, decode_node, encode_node
+from .records import Node, NodeRecord, check_record_layout, decode_node, encode_node, stored_namespace
 
 log = logging.getLogger("promptstore.index")
 
@@ -465,3 +465,21 @@ def replace_record(txn, dbs: Dbs, node: Node, record: NodeRecord) -> Node:
     txn.put(node.key, value, db=dbs.nodes)
     counters.add(txn, dbs, node.namespace, {"nbytes": record.nbytes - node.nbytes})
     return read_node(txn, dbs, node.key)
+
+
+def drop_namespace(txn: lmdb.Transaction, dbs: Dbs, ns_key: bytes) -> int:
+    """Remove a namespace: its spec, counters, and every node, edge, children entry and
+    access stamp of its nodes (found by a scan, so unreachable ones go too). Returns nodes removed."""
+    doomed = [bytes(k) for k, v in txn.cursor(db=dbs.nodes) if stored_namespace(v) == ns_key]
+    for key in [ns_key, *doomed]:
+        cursor = txn.cursor(db=dbs.children)
+        while cursor.set_range(key) and bytes(cursor.key()[: keys.KEY_SIZE]) == key:
+            cursor.delete()
+    for key in doomed:
+        txn.delete(key, db=dbs.nodes)
+        txn.delete(key, db=dbs.edges)
+        access.forget(txn, dbs, key)
+    for name in counters.NAMES:
+        txn.delete(ns_key + name.encode(), db=dbs.counters)
+    txn.delete(ns_key, db=dbs.namespaces)
+    return len(doomed)

@@ -1,9 +1,9 @@
 """The cold tier: one safetensors file per stored node, shared by every process.
 
-A file is named by its node key, its span and a tag unique to the write that
-made it, so no file is ever overwritten in place (a split node gets new files,
-and two processes spilling one node write two files, one of which the index
-names). It is written under a temporary name, fsynced, renamed and its
+A file is named by its node key and a tag unique to the write that made it
+(never by its span: a listing of the files tells no prompt's length), so no
+file is ever overwritten in place (a split node gets new files, and two
+processes spilling one node write two files, one of which the index names). It is written under a temporary name, fsynced, renamed and its
 directory fsynced before anyone may point at it. Loading checks the
 header, the node's identity and every array's xxh3-128 before a byte is used;
 a file that fails is moved to quarantine for `tools/compact`.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -121,6 +122,9 @@ def _row_major_bytes(array: mx.array) -> memoryview:
 def checked_header(path: Path, rel: str):
     """The file's safetensors header and metadata, or ColdFileError (nothing read past it)."""
     try:
+        kind = _kind(os.lstat(path).st_mode)
+        if kind != "file":
+            raise ColdFileError(f"{rel}: a {kind}, not a snapshot file", "not a file", rel)
         return read_header(path)
     except FileNotFoundError:
         raise ColdFileError(f"{rel}: missing", "missing", rel) from None
@@ -229,16 +233,18 @@ class ColdTier:
         of one node (two processes spilling it, two compacts joining it) never write,
         replace or delete each other's file."""
         h = node.key.hex()
-        return f"files/{h[:2]}/{h[2:4]}/{h}-{node.start}-{node.end}{'-' + tag if tag else ''}{SUFFIX}"
+        return f"files/{h[:2]}/{h[2:4]}/{h}{'-' + tag if tag else ''}{SUFFIX}"
 
     def owns(self, rel: str, node: NodeId) -> bool:
         """Whether `rel` is a name `write` gives to a file of this node (so the file
-        may be quarantined for it; a record could name any file)."""
+        may be quarantined for it; a record could name any file). Names written
+        before spans left file names ("<key>-<start>-<end>[-<tag>]") count too."""
         stem = self.relative_path(node)[: -len(SUFFIX)]
-        if rel == stem + SUFFIX:
-            return True
-        tag = rel[len(stem) + 1 : -len(SUFFIX)] if rel.startswith(stem + "-") and rel.endswith(SUFFIX) else ""
-        return len(tag) == 2 * TAG_BYTES and all(c in "0123456789abcdef" for c in tag)
+        if not (rel.startswith(stem) and rel.endswith(SUFFIX)):
+            return False
+        rest = rel[len(stem) : -len(SUFFIX)]
+        rest = rest.removeprefix(f"-{node.start}-{node.end}")
+        return rest == "" or (rest[0] == "-" and _is_tag(rest[1:]))
 
     def absolute(self, rel: str) -> Path:
         """The file for a path from the index; never one outside the tier."""
@@ -322,14 +328,16 @@ class ColdTier:
 
     # --- housekeeping ----------------------------------------------------------
 
-    def quarantine(self, rel: str) -> Path | None:
-        """Move a bad snapshot file aside (never deleted silently); None if it is
-        gone or is not a snapshot file of this tier."""
+    def quarantine(self, rel: str, stray: bool = False) -> Path | None:
+        """Move a bad snapshot file aside (never deleted silently), or whatever stands
+        where one belongs (a directory, a FIFO, a symlink: the link itself); None if
+        nothing is there or `rel` is no snapshot name of this tier (any name of
+        iter_strays() when `stray`)."""
         try:
             src = self.absolute(rel)
         except ColdFileError:
             return None
-        if not src.name.endswith(SUFFIX) or not src.is_file() or src.is_symlink():
+        if not (stray or src.name.endswith(SUFFIX)) or not os.path.lexists(src):
             return None
         dst = self.quarantine_dir / f"{src.name}.{secrets.token_hex(3)}"
         try:
@@ -339,23 +347,64 @@ class ColdTier:
         return dst
 
     def delete(self, rel: str) -> None:
+        """Remove a file no record names; anything but a file there is quarantined."""
         try:
             os.unlink(self.root / rel)
         except FileNotFoundError:
             pass
+        except (IsADirectoryError, PermissionError):  # unlink(2) of a directory: EISDIR, or EPERM
+            self.quarantine(rel)
 
     def iter_files(self) -> Iterator[tuple[str, int]]:
         """(relative path, bytes) of every published file."""
-        for path in self.files.rglob(f"*{SUFFIX}"):
-            if TEMP_MARK not in path.name:
-                try:
-                    size = path.stat().st_size
-                except FileNotFoundError:
-                    continue  # removed by another process meanwhile
-                yield str(path.relative_to(self.root)), size
+        for rel, info in self._entries():
+            if _kind(info.st_mode) == "file" and rel.endswith(SUFFIX) and TEMP_MARK not in rel:
+                yield rel, info.st_size
 
     def iter_temp_files(self) -> Iterator[Path]:
-        yield from self.files.rglob(f"*{TEMP_MARK}*")
+        for rel, info in self._entries():
+            if _kind(info.st_mode) == "file" and TEMP_MARK in rel:
+                yield self.root / rel
+
+    def iter_strays(self) -> Iterator[tuple[str, str]]:
+        """(relative path, what it is) of what stands where a file or a fan-out
+        directory belongs and is not one: never read, never deleted, only moved aside."""
+        for rel, info in self._entries():
+            kind = _kind(info.st_mode)
+            depth = rel.count("/")
+            if (depth < 3 and kind != "directory") or (depth == 3 and kind != "file" and rel.endswith(SUFFIX)):
+                yield rel, kind
+
+    def _entries(self) -> Iterator[tuple[str, os.stat_result]]:
+        """(path relative to the tier, lstat) of every entry of the fan-out
+        (files/xx/yy/name), never following a link; ones removed meanwhile are skipped."""
+        stack = [(self.files, 1)]
+        while stack:
+            folder, depth = stack.pop()
+            try:
+                listing = list(os.scandir(folder))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in listing:
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                yield os.path.relpath(entry.path, self.root), info
+                if depth < 3 and stat.S_ISDIR(info.st_mode):
+                    stack.append((Path(entry.path), depth + 1))
 
     def disk_bytes(self) -> int:
         return sum(size for _, size in self.iter_files())
+
+
+def _is_tag(text: str) -> bool:
+    return len(text) == 2 * TAG_BYTES and all(c in "0123456789abcdef" for c in text)
+
+
+def _kind(mode: int) -> str:
+    """What a directory entry is, in words."""
+    for test, name in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink")):
+        if test(mode):
+            return name
+    return "FIFO" if stat.S_ISFIFO(mode) else "special file"

@@ -1,8 +1,11 @@
 """The hot tier: evaluated snapshots in this process's memory, under a byte budget.
 
-Counted by the bytes the snapshots hold (not buffer capacity). Over budget,
-the least valuable entries leave first; pinned entries (in use by a caller
-right now) never do. What leaves is returned to the caller, which spills it.
+Counted by the bytes the snapshots hold (not buffer capacity). Each group of
+entries (a tenant) has a budget and a clock of its own: over budget, its least
+valuable entries leave first, and nothing another group does changes which
+(so one tenant's data never evicts another's). Pinned entries (in use by a
+caller right now) never leave. What leaves is returned to the caller, which
+spills it.
 On Apple silicon the budget is wired (kept resident) with MLX's wired limit;
 elsewhere nothing is wired.
 """
@@ -10,7 +13,8 @@ elsewhere nothing is wired.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -32,6 +36,7 @@ class HotEntry:
     pins: int = 0
     dirty: bool = True  # not yet on disk
     node: NodeId | None = None  # the node (and span) the snapshots were made for
+    group: Hashable = None  # whose budget it counts against
 
 
 def wire(budget: int) -> int | None:
@@ -45,13 +50,15 @@ def wire(budget: int) -> int | None:
 
 
 class HotTier:
-    """Snapshots by node key, under `budget` bytes (over by at most one entry)."""
+    """Snapshots by node key, under `budget` bytes per group (over by at most one entry)."""
 
     def __init__(self, budget: int):
         self.budget = budget
         self.entries: dict[bytes, HotEntry] = {}
         self.nbytes = 0
-        self.clock = 0
+        self.used: Counter = Counter()  # bytes per group
+        self.clock = 0  # every put and hit
+        self.clocks: Counter = Counter()  # per group: ages count only the group's own accesses
         self.lock = threading.RLock()
         self.wired = wire(budget) if budget > 0 else None
 
@@ -69,13 +76,12 @@ class HotTier:
         prefill_seconds: float = 0.0,
         dirty: bool = True,
         node: NodeId | None = None,
+        group: Hashable = None,
     ) -> list[HotEntry]:
-        """Hold `snapshots` for `key`; returns the entries evicted to make room."""
+        """Hold `snapshots` for `key`, counted against `group`'s budget; returns the
+        entries of that group evicted to make room."""
         with self.lock:
-            old = self.entries.pop(key, None)
-            if old is not None:
-                self.nbytes -= old.nbytes
-            self.clock += 1
+            old = self.pop(key)
             nbytes = sum(s.nbytes for s in snapshots if s is not None)
             entry = HotEntry(
                 key,
@@ -83,29 +89,36 @@ class HotTier:
                 nbytes,
                 prefill_seconds,
                 0 if old is None else old.hits,
-                self.clock,
+                self._tick(group),
                 0 if old is None else old.pins,
                 dirty,
                 node,
+                group,
             )
             self.entries[key] = entry
             self.nbytes += nbytes
-            return self.evict()
+            self.used[group] += nbytes
+            return self.evict(group)
 
     def get(self, key: bytes) -> HotEntry | None:
         """The entry for `key` (counted as a use), or None."""
         with self.lock:
             entry = self.entries.get(key)
             if entry is not None:
-                self.clock += 1
-                entry.used_at, entry.hits = self.clock, entry.hits + 1
+                entry.used_at, entry.hits = self._tick(entry.group), entry.hits + 1
             return entry
+
+    def _tick(self, group: Hashable) -> int:
+        self.clock += 1
+        self.clocks[group] += 1
+        return self.clocks[group]
 
     def pop(self, key: bytes) -> HotEntry | None:
         with self.lock:
             entry = self.entries.pop(key, None)
             if entry is not None:
                 self.nbytes -= entry.nbytes
+                self.used[entry.group] -= entry.nbytes
             return entry
 
     def mark_clean(self, key: bytes) -> None:
@@ -129,23 +142,23 @@ class HotTier:
                     if k in self.entries:
                         self.entries[k].pins -= 1
 
-    def evict(self) -> list[HotEntry]:
-        """Remove the least valuable unpinned entries until within budget."""
+    def evict(self, group: Hashable = None) -> list[HotEntry]:
+        """Remove the least valuable unpinned entries of `group` until it is within budget."""
         with self.lock:
-            if self.nbytes <= self.budget:
+            if self.used[group] <= self.budget:
                 return []
             out = []
-            for entry in sorted(self.candidates(), key=self._value):
-                if self.nbytes <= self.budget:
+            for entry in sorted(self.candidates(group), key=self._value):
+                if self.used[group] <= self.budget:
                     break
                 out.append(self.pop(entry.key))
             return out
 
-    def candidates(self) -> list[HotEntry]:
-        return [e for e in self.entries.values() if e.pins == 0]
+    def candidates(self, group: Hashable = None) -> list[HotEntry]:
+        return [e for e in self.entries.values() if e.pins == 0 and e.group == group]
 
     def _value(self, entry: HotEntry) -> float:
-        return value(entry.prefill_seconds, entry.hits, entry.nbytes, self.clock - entry.used_at)
+        return value(entry.prefill_seconds, entry.hits, entry.nbytes, self.clocks[entry.group] - entry.used_at)
 
     def dirty_entries(self) -> list[HotEntry]:
         with self.lock:

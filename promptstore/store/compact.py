@@ -114,6 +114,16 @@ class Compactor:
 
     # --- steps ------------------------------------------------------------------------
 
+    def strays(self) -> None:
+        """What stands where a snapshot file (or a fan-out directory) belongs and is
+        none, such as a directory, a FIFO or a symlink: moved to quarantine, never
+        read, followed or deleted."""
+        for rel, kind in list(self.files.strays()):
+            if not self.dry and not self.files.set_aside(rel):
+                continue  # gone meanwhile
+            self.report.add(f"stray {kind}", files=1)
+            self.tick("strays")
+
     def temp_files(self) -> None:
         """Spill files a dead writer left under their temporary names."""
         for path in list(self.files.temp_files()):
@@ -128,6 +138,15 @@ class Compactor:
                 path.unlink(missing_ok=True)
             self.report.add("temporary files", files=1, nbytes=size)
             self.tick("temporary files")
+
+    def children_entries(self) -> None:
+        """Children entries that lead nowhere or to the wrong node (and sound nodes
+        none leads to): rebuilt from the nodes' own headers. A lookup stops at such
+        an entry and an insert through it is refused, run after run, until then."""
+        changed = self.index.repair_children(dry_run=self.dry)
+        if changed:
+            self.report.add("children entries", nodes=changed)
+            self.tick("children entries")
 
     def dangling_entries(self) -> None:
         """Index entries whose file is missing: they point at nothing."""
@@ -258,12 +277,13 @@ class Compactor:
         return True
 
     def budget(self, max_bytes: int) -> None:
-        """Evict leaves, least valuable first, until files fit `max_bytes`."""
-        total = sum(node.record.nbytes for node in self._filed().values())
-        if total <= max_bytes:
+        """Evict leaves, least valuable first, until each tenant's files fit `max_bytes`."""
+        tenants = self.tiers.cold_by_tenant().values()
+        over = sum(max(sum(n.record.nbytes for n in nodes) - max_bytes, 0) for nodes in tenants)
+        if not over:
             return
         if self.dry:
-            self.report.add("over budget", nbytes=total - max_bytes)
+            self.report.add("over budget", nbytes=over)
             return
         nodes, freed = self.tiers.evict_cold(max_bytes)
         self.report.add("over budget", nodes=nodes, files=nodes, nbytes=freed)
@@ -296,16 +316,26 @@ def compact(
     dry_run: bool = False,
     lmdb: bool = True,
     merge: bool = True,
+    reset_index: bool = False,
     tick: Callable[[str], None] = lambda step: None,
 ) -> CompactReport:
-    """Repair and shrink the store at `path`; see the module docstring for what runs when."""
+    """Repair and shrink the store at `path`; see the module docstring for what runs when.
+
+    reset_index: an index that opening refuses as damaged (IndexCorruptError) is moved
+    aside and an empty one started; its snapshot files are then reclaimed as orphans.
+    """
     report = CompactReport(dry_run=dry_run)
     started = time.perf_counter()
+    if reset_index:
+        _reset_index(Path(path), report)
+        if dry_run and report.actions:
+            report.seconds = time.perf_counter() - started
+            return report  # the rest would run on an index that is not there yet
     with PromptStore.open(path, hot_bytes=0) as store:
         store.try_exclusive()
         work = Compactor(store, report, tick)
         report.before = work.inventory()
-        steps = [work.temp_files, work.corrupt_records, work.dangling_entries]
+        steps = [work.strays, work.temp_files, work.corrupt_records, work.children_entries, work.dangling_entries]
         if verify:
             steps.append(work.verify)
         steps += [work.dataless_nodes, work.orphan_files]
@@ -329,6 +359,17 @@ def compact(
         report.after = Compactor(store, report, tick).inventory()
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _reset_index(root: Path, report: CompactReport) -> None:
+    """Set a damaged index aside, under the store's exclusive lock."""
+    with PromptStore.lock(root, exclusive=True, blocking=False) as held:
+        if not held:
+            report.errors.append("reset index: the store is in use; run again when it is idle")
+            return
+        moved = Index.set_aside(root / "index", dry_run=report.dry_run)
+        if moved is not None:
+            report.add(f"damaged index set aside (kept as {Path(moved).name})", files=1)
 
 
 def _compact_lmdb(root: Path, report: CompactReport) -> None:

@@ -143,6 +143,10 @@ class Filing:
         """Remove a file no record names (an orphan)."""
         self.cold.delete(rel)
 
+    def set_aside(self, rel: str) -> bool:
+        """Move what stands where a file belongs and is none (see strays) to quarantine."""
+        return self.cold.quarantine(rel, stray=True) is not None
+
     # --- what is on disk --------------------------------------------------------------
 
     def files(self) -> Iterator[tuple[str, int]]:
@@ -150,6 +154,9 @@ class Filing:
 
     def temp_files(self) -> Iterator[Path]:
         return self.cold.iter_temp_files()
+
+    def strays(self) -> Iterator[tuple[str, str]]:
+        return self.cold.iter_strays()
 
     def path(self, rel: str) -> Path:
         return self.cold.root / rel

@@ -31,7 +31,8 @@ from ..errors import (
     UnsupportedCacheError,
 )
 from ..identity import NodeId
-from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens
+from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord
+from .tokens import model_tokens, vocabulary_size
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -132,6 +133,7 @@ class Space:
         self._counts: Counter = Counter()
         self._flushed = time.monotonic()
         self._signatures: list | None = None
+        self.vocabulary = vocabulary_size(model)
 
     @classmethod
     def bind(
@@ -157,7 +159,7 @@ class Space:
             model_id=model_id,
             weights_digest=None if model_id else weights_digest(model),
             layers=[layer_spec(c, dtype) for c in template],
-            salt=salt,
+            tenant=None if salt is None else index.tenant_digest(salt),
         )
         return cls(index, tiers, settings, model, index.register_namespace(spec), kwargs, dtype)
 
@@ -176,7 +178,7 @@ class Space:
             their state was stored (attention layers restore anywhere).
         """
         start = time.perf_counter()
-        toks = as_tokens(tokens)
+        toks = self._tokens(tokens)
         wanted = self._wanted(checkpoints, len(toks))
         cache = self.new_cache()
         if len(toks) < 2:
@@ -209,6 +211,10 @@ class Space:
         )
         self.last_hit = hit
         return hit
+
+    def _tokens(self, tokens):
+        """Valid token ids below this model's vocabulary, or a typed error (before anything runs)."""
+        return model_tokens(tokens, self.vocabulary)
 
     def _account(self, nodes, **counts) -> None:
         """Access order and hit counters are advisory: gather them and write
@@ -264,7 +270,7 @@ class Space:
 
     def insert(self, tokens, cache: Sequence[Any], prefill_seconds: float | None = None) -> int:
         """Store what `cache` (holding exactly `tokens`) adds; returns new tokens stored."""
-        toks = as_tokens(tokens)
+        toks = self._tokens(tokens)
         self._check_cache(cache)
         position = C.prompt_position(cache)
         if position != len(toks):

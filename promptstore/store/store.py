@@ -65,7 +65,8 @@ class PromptStore:
         """The namespace of `model` (and its cache layout) in this store, as a Space.
 
         model_id: an identity you vouch for; without it the weights are digested.
-        salt: a tenant secret; namespaces with different salts never share a node.
+        salt: a tenant secret; namespaces with different salts never share a node. Only a
+            keyed scrypt digest of it is stored (Index.tenant_digest), never the salt.
         cache_kwargs: kv_bits, kv_group_size, max_kv_size, as for make_prompt_cache.
         """
         space = Space.bind(self.index, self.tiers, self.settings, model, model_id=model_id, salt=salt, **cache_kwargs)

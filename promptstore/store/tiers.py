@@ -3,6 +3,9 @@
 Composes the hot tier, the cold tier and the background writer; what the index
 records of each node's file changes only through Filing (store/filing.py).
 Anything wrong with a file is a miss plus a report, never an exception.
+Budgets are per tenant (the namespaces of one salt, or of none): each tenant's
+nodes are evicted against its own budget, by an order nothing of another
+tenant's enters, so one tenant can neither evict nor time another's data.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ import heapq
 import logging
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Sequence
+from collections import Counter, defaultdict, deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +23,7 @@ import mlx.core as mx
 
 from ..caches import Snapshot
 from ..config import Settings
-from ..errors import ColdFileError, CorruptRecordError
+from ..errors import ColdFileError, CorruptRecordError, IndexStoreError
 from ..identity import NodeId
 from ..index import Index, Node
 from ..snapshots import ColdTier, HotTier, SpillJob, Writer
@@ -63,7 +66,8 @@ class Tiers:
     def put(self, node: NodeId, snapshots: list[Snapshot], prefill_seconds: float = 0.0) -> None:
         """Hold a node's snapshots and spill per the durability setting."""
         mx.eval([a for s in snapshots if s is not None for a in s.all_arrays()])
-        evicted = self.hot.put(node.key, snapshots, prefill_seconds=prefill_seconds, node=node)
+        group = self.tenant(node.namespace)
+        evicted = self.hot.put(node.key, snapshots, prefill_seconds=prefill_seconds, node=node, group=group)
         mode = self.settings.durability
         if mode == "sync":
             self.writer.write_now(SpillJob(node, snapshots))
@@ -72,6 +76,14 @@ class Tiers:
         for entry in evicted:
             if entry.dirty and not (entry.key == node.key and mode != "write_back"):
                 self._submit(SpillJob(entry.node, entry.snapshots))
+
+    def tenant(self, namespace: bytes) -> Hashable:
+        """Whose budgets a namespace's nodes count against: its tenant digest (None
+        when unsalted); a namespace the index cannot name is a tenant of its own."""
+        try:
+            return self.index.namespace(namespace).spec.tenant
+        except IndexStoreError:
+            return namespace
 
     def forget(self, key: bytes) -> None:
         """Drop a node's in-memory snapshots (its span changed or it was removed)."""
@@ -159,7 +171,12 @@ class Tiers:
             return None
         self.counts["cold_loads"] += 1
         for entry in self.hot.put(
-            node.key, snapshots, prefill_seconds=node.record.prefill_seconds, dirty=False, node=node.id
+            node.key,
+            snapshots,
+            prefill_seconds=node.record.prefill_seconds,
+            dirty=False,
+            node=node.id,
+            group=self.tenant(node.namespace),
         ):
             if entry.dirty:
                 self._submit(SpillJob(entry.node, entry.snapshots))
@@ -221,16 +238,30 @@ class Tiers:
     def _filed(self):
         return filed(self.index.iter_by_access())
 
+    def cold_by_tenant(self) -> dict[Hashable, list[Node]]:
+        """Nodes with files, least recently used first, by tenant."""
+        out = defaultdict(list)
+        for node in self._filed():
+            out[self.tenant(node.namespace)].append(node)
+        return out
+
     def evict_cold(self, budget: int | None = None) -> tuple[int, int]:
-        """Evict leaves with files, least valuable first, until the cold tier is
-        within `budget` (default: the setting). Returns (nodes, bytes) removed."""
+        """Evict leaves with files, least valuable first, until each tenant's files
+        are within `budget` (default: the setting). Returns (nodes, bytes) removed."""
         budget = self.settings.disk_bytes if budget is None else budget
         removed = freed = 0
-        filed = list(self._filed())
+        for tenant_nodes in self.cold_by_tenant().values():
+            nodes, nbytes = self._evict_tenant(tenant_nodes, budget)
+            removed, freed = removed + nodes, freed + nbytes
+        return removed, freed
+
+    def _evict_tenant(self, filed: list[Node], budget: int) -> tuple[int, int]:
+        removed = freed = 0
         total = sum(n.record.nbytes for n in filed)
         if total <= budget:
             return removed, freed
         # One scan, then a heap: evicting a leaf can only make its parent a leaf.
+        # Ages count this tenant's nodes only, so no other tenant's use reorders them.
         ages = {n.key: age for age, n in enumerate(reversed(filed))}
         nodes = {n.key: n for n in filed}
 

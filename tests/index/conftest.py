@@ -23,7 +23,7 @@ SPECS = (
             LayerSpec(kind="quantized", bits=4, group_size=64),
             LayerSpec(kind="batch_rotating", window=8, keep=1),
         ],
-        salt="tenant-1",
+        tenant="7e" * 16,  # a tenant_digest
     ),
 )
 

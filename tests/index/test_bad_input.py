@@ -33,6 +33,11 @@ BAD_TOKENS = [
     None,
     [None],
     ["1"],
+    # Regression (issue 16): bools passed as the tokens 1 and 0.
+    [True, False],
+    [5, True],
+    (False,),
+    np.array([True, False]),
 ]
 
 
@@ -160,3 +165,26 @@ def test_damaged_namespace_spec_is_skipped(tmp_path, caplog):
         assert kv.hex in caplog.text
         with pytest.raises(CorruptRecordError):
             ix.namespace(kv.key)
+
+
+@pytest.mark.parametrize("how", ["entry deleted", "entry names a missing node", "entry names another node"])
+def test_repair_children_rebuilds_entries_from_the_nodes(tmp_path, caplog, how):
+    """A children entry that leads nowhere or to the wrong node stops every lookup there
+    and refuses every insert through it; repair_children (compact) rebuilds it."""
+    path, kv, keys = _store(tmp_path)
+    entry = keys[0] + (3).to_bytes(4, "big")  # [0, 3) -> [3, 6)
+    change = {
+        "entry deleted": None,
+        "entry names a missing node": lambda v: b"\x07" * 16,
+        "entry names another node": lambda v: keys[2],
+    }[how]
+    _damage(path, b"children", entry, change)
+    with Index.open(path, sync=False) as ix, caplog.at_level(logging.CRITICAL):
+        assert ix.lookup(kv, list(range(9))).matched == 3
+        assert ix.repair_children(dry_run=True) == 1
+        assert ix.lookup(kv, list(range(9))).matched == 3  # a dry run changes nothing
+        assert ix.repair_children() == 1
+        match = ix.lookup(kv, list(range(9)))
+        assert (match.matched, [n.key for n in match.path], match.corrupt) == (9, keys, [])
+        assert ix.repair_children() == 0
+        ix.insert(kv, list(range(12)), full(kv))  # inserts through it again

@@ -16,7 +16,7 @@ def test_fingerprint_is_stable_and_sensitive():
     assert again.fingerprint() == spec.fingerprint() and len(spec.fingerprint()) == 16
     assert spec.fingerprint_hex() == spec.fingerprint().hex()
     for change in (
-        {"salt": "other"},
+        {"tenant": "ab" * 16},
         {"model_id": "other"},
         {"layers": spec.layers[:1]},
     ):
@@ -67,7 +67,7 @@ def test_register_is_idempotent_and_listed(index):
 
 def test_namespaces_never_share_nodes(index, spaces):
     kv = spaces[0]
-    salted = index.register_namespace(SPECS[0].model_copy(update={"salt": "tenant-2"}))
+    salted = index.register_namespace(SPECS[0].model_copy(update={"tenant": "cd" * 16}))
     index.insert(kv, [1, 2, 3], full(kv))
     assert index.lookup(salted, [1, 2, 3]).matched == 0
     index.insert(salted, [1, 2, 3], full(salted))

@@ -108,7 +108,7 @@ def test_missing_or_mislaid_records_are_refused(index, spaces):
 
 
 def test_unregistered_namespace(index):
-    ns = Namespace.of(SPECS[0].model_copy(update={"salt": "never registered"}))
+    ns = Namespace.of(SPECS[0].model_copy(update={"tenant": "00" * 16}))
     assert index.lookup(ns, [1]).matched == 0
     with pytest.raises(UnknownNamespaceError):
         index.insert(ns, [1], full(ns))

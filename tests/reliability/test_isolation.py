@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from promptstore import PromptStore
-from promptstore.index import trie
+from promptstore.index import prefix_key, trie
+from promptstore.store.compact import compact
 
 from ..conftest import _model, insert_following_checkpoints, prompt_tokens
 from ._util import TOL, continuation_error, prefill_insert
@@ -244,3 +245,98 @@ def test_probe_timing_is_recorded(tmp_path, tier, monkeypatch, record_property, 
         record_property(f"timing_{tier}_{k}", val)
     with capsys.disabled():
         print(f"\n[isolation timing, {tier}] {figures}")
+
+
+def test_no_salt_is_written_anywhere(tmp_path):
+    """Issue 16, defect 3: the namespace spec in the index held the salt in clear. No
+    file under the store may hold either tenant's salt, before or after compact."""
+    from promptstore.store.compact import compact
+
+    model = _model("llama")
+    root = tmp_path / "store"
+    store_victim(root, "llama")
+    with PromptStore.open(root, durability="sync") as store:
+        prefill_insert(store.bind(model, model_id=MODEL_ID, salt=ATTACKER), model, TURN)
+    for step in ("after use", "after compact"):
+        files = [p for p in root.rglob("*") if p.is_file()]
+        assert len(files) > 4, step
+        for p in files:
+            raw = p.read_bytes()
+            assert VICTIM.encode() not in raw and ATTACKER.encode() not in raw, (step, p)
+        compact(root, max_bytes=1 << 30)
+
+
+def test_a_schema_1_store_keeps_its_unsalted_data_and_drops_its_salted(tmp_path):
+    """A store written before salts were digested: its unsalted namespace still hits; the
+    salted one is dropped at the first open, and compact reclaims its files and scrubs the
+    index pages that held the salt."""
+    from promptstore.store.compact import compact
+
+    from ..index.test_tenant import as_schema_1
+
+    model = _model("llama")
+    root = tmp_path / "store"
+    with PromptStore.open(root, durability="sync") as store:
+        plain = store.bind(model, model_id=MODEL_ID)
+        secret = store.bind(model, model_id=MODEL_ID, salt=VICTIM)
+        for space in (plain, secret):
+            prefill_insert(space, model, SYSTEM)
+        files = {space: {n.record.file for n in store.index.iter_nodes(space.namespace)} for space in (plain, secret)}
+        keys = plain.namespace.key, secret.namespace.key
+    as_schema_1(root / "index", {keys[0]: None, keys[1]: VICTIM})
+    assert VICTIM.encode() in (root / "index" / "data.mdb").read_bytes()
+    with PromptStore.open(root, hot_bytes=0) as store:
+        assert [ns.key for ns in store.index.namespaces()] == [keys[0]]
+        length, err = continuation_error(store.bind(model, model_id=MODEL_ID), model, TURN)
+        assert length == len(SYSTEM) and err < TOL
+        assert store.bind(model, model_id=MODEL_ID, salt=VICTIM).fetch(TURN).length == 0
+    report = compact(root, max_bytes=1 << 30)
+    assert report.actions["orphan files"]["files"] == len(files[secret]) > 0
+    left = {str(p.relative_to(root / "cold")) for p in (root / "cold" / "files").rglob("*.safetensors")}
+    assert left == files[plain]
+    assert not [p for p in root.rglob("*") if p.is_file() and VICTIM.encode() in p.read_bytes()]
+
+
+# --- budgets: per tenant ------------------------------------------------------------------
+
+ATTACKER_PROMPTS = [prompt_tokens(40, seed=600 + i) for i in range(6)]
+NODE_BYTES = 40 * 2 * 2 * 2 * 16 * 4  # tokens x layers x (keys, values) x KV heads x head dim x float32
+BUDGET = 4 * NODE_BYTES + NODE_BYTES // 2  # four of the attacker's six prompts fit
+
+
+def attacker_keeps(root, victim: bool, tier: str) -> list[int]:
+    """Which of its six prompts the attacker still has in `tier` after storing them all,
+    with or without the victim storing (before) and using (after) prompts of its own."""
+    model = _model("llama")
+    mine = [prompt_tokens(60, seed=seed) for seed in (701, 702, 703)]
+    with PromptStore.open(root, durability="sync", hot_bytes=BUDGET) as store:
+        them = store.bind(model, model_id=MODEL_ID, salt=VICTIM)
+        for tokens in mine if victim else []:
+            prefill_insert(them, model, tokens)
+        attacker = store.bind(model, model_id=MODEL_ID, salt=ATTACKER)
+        for tokens in ATTACKER_PROMPTS:
+            prefill_insert(attacker, model, tokens)
+        for tokens in mine if victim else []:
+            them.fetch(tokens)  # the victim's data is in use: recent, so worth keeping
+        key = attacker.namespace.key
+        hot = [e.node for e in store.tiers.hot.entries.values() if e.node.namespace == key]
+    if tier == "disk":
+        assert compact(root, max_bytes=BUDGET, merge=False, lmdb=False).status == "repaired"
+        with PromptStore.open(root) as store:
+            space = store.bind(model, model_id=MODEL_ID, salt=ATTACKER)
+            kept = [n.id for n in store.index.iter_nodes(space.namespace) if n.record.file]
+    else:
+        kept = hot
+    prompt = {prefix_key(key, t): i for i, t in enumerate(ATTACKER_PROMPTS)}  # one node each
+    return sorted(prompt[n.key] for n in kept)
+
+
+@pytest.mark.parametrize("tier", ["hot", "disk"])
+def test_what_a_tenant_keeps_does_not_depend_on_another_tenants_data(tmp_path, tier):
+    """Issue 16's probe: with the victim's prefixes stored, the attacker kept fewer tokens
+    (1,178 against 1,240), telling it the victim's data was there. Budgets are per tenant
+    now: the attacker keeps exactly the same nodes either way."""
+    alone = attacker_keeps(tmp_path / "alone", victim=False, tier=tier)
+    beside = attacker_keeps(tmp_path / "beside", victim=True, tier=tier)
+    assert 0 < len(alone) < len(ATTACKER_PROMPTS)  # over budget: something was evicted
+    assert beside == alone

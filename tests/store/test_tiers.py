@@ -250,3 +250,22 @@ def test_a_fetch_counts_one_hot_hit_per_node(tmp_path, model_of):
         before = {k: store.tiers.hot.entries[k].hits for k in keys}
         assert space.fetch(mx.concatenate([tokens, prompt_tokens(2, seed=7)])).length == 89
         assert {k: store.tiers.hot.entries[k].hits - before[k] for k in keys} == dict.fromkeys(keys, 1)
+
+
+def test_each_group_keeps_its_own_budget_and_order():
+    """Per tenant: a group is evicted against its own budget, by ages that count its own
+    accesses only, so another group's puts and hits change nothing of it."""
+
+    def group_a_after(b_activity: int) -> list[bytes]:
+        hot = HotTier(3 * kv_snapshots(8)[0].nbytes)
+        # Older but costlier against newer but cheap: the order between them depends on ages.
+        hot.put(b"a-old" + b"." * 11, kv_snapshots(8), prefill_seconds=0.02, group="a")
+        for i in range(b_activity):
+            hot.put(bytes([i % 250]) * 16, kv_snapshots(8), group="b")
+            hot.get(bytes([i % 250]) * 16)
+        for i in range(3):
+            hot.put(b"a-new" + bytes([i]) * 11, kv_snapshots(8), prefill_seconds=0.01, group="a")
+        assert hot.used["a"] <= hot.budget and hot.used["b"] <= hot.budget
+        return sorted(e.key for e in hot.entries.values() if e.group == "a")
+
+    assert group_a_after(0) == group_a_after(600)
