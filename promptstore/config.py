@@ -35,6 +35,18 @@ class Settings(BaseModel):
     file_mode: int = Field(0o600, description="permissions of snapshot files")
     dir_mode: int = Field(0o700, description="permissions of store directories")
     map_size: int = Field(64 << 20, ge=1 << 16, description="initial LMDB map size; it grows when full")
+    # The remote tier: a Redis or Valkey every replica shares (docs/remote.md).
+    remote_url: str | None = Field(
+        None, description="redis://host:port/db (or rediss://, unix://) shared by every replica; None: no remote tier"
+    )
+    remote_secret: str | None = Field(
+        None, description="a secret every replica shares, mixed into remote keys and blob encryption (never stored)"
+    )
+    remote_timeout: float = Field(0.5, gt=0, le=60, description="seconds a remote round trip may wait before a miss")
+    remote_publish_seconds: float = Field(
+        0.0, ge=0, description="publish only nodes whose prefill time saved is at least this (0: every node)"
+    )
+    remote_close_seconds: float = Field(10.0, ge=0, description="how long close() waits for queued publishes")
 
     @field_validator("file_mode", "dir_mode")
     @classmethod
@@ -44,6 +56,13 @@ class Settings(BaseModel):
         if not 0 <= mode <= 0o777 or mode & need != need:
             raise ValueError(f"{oct(mode)}: a permission mode (at most 0o777) that includes {oct(need)}")
         return mode
+
+    @field_validator("remote_url")
+    @classmethod
+    def _redis_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{url!r}: a redis://, rediss:// or unix:// URL")
+        return url or None
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:
