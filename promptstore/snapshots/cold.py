@@ -284,11 +284,11 @@ class ColdTier:
         digest = xxhash.xxh3_128_hexdigest(json.dumps(sums, sort_keys=True).encode())
         return FileRef(rel, size, digest)
 
-    def write_bytes(self, key: bytes, start: int, end: int, data: bytes) -> str:
+    def write_bytes(self, node: NodeId, data: bytes) -> str:
         """Place the bytes of a node's file made elsewhere (the remote tier) under
         this node's name, atomically; returns its relative path. Nothing in it is
         trusted: `load` verifies it like any other file."""
-        rel = self.relative_path(key, start, end, secrets.token_hex(TAG_BYTES))
+        rel = self.relative_path(node, secrets.token_hex(TAG_BYTES))
         final = self.root / rel
         temp = final.with_name(f"{final.stem}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
         try:

@@ -31,7 +31,7 @@ from ..errors import (
     UnsupportedCacheError,
 )
 from ..identity import NodeId
-from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens
+from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens, prefix_key
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 # A rough prefill cost per token, used to value nodes inserted without a timing.
 ESTIMATED_SECONDS_PER_TOKEN = 1e-3
+# A remote lookup costs round trips: not worth them for fewer new tokens than this.
+MIN_REMOTE_GAIN = 16
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Hit:
     cache: per-layer caches at offset `length`, usable as mlx-lm's prompt_cache.
     checkpoints: positions p > length where the caller, while prefilling,
         should call `space.insert(tokens[:p], cache)`.
+    remote_tokens: of `length`, tokens restored from the remote tier (0: none).
     """
 
     length: int
@@ -59,6 +62,7 @@ class Hit:
     cold_nodes: int = 0
     cold_tokens: int = 0
     seconds: float = 0.0
+    remote_tokens: int = 0
 
 
 def layer_spec(cache: Any, dtype: str) -> LayerSpec:
@@ -220,6 +224,9 @@ class Space:
         target = match.restorable
         restored = self._restore(cache, path, target)
         length, used, cold = restored if restored else (0, 0, ())
+        remote = self._fetch_remote(toks, length)
+        if remote is not None:
+            (length, cache), used, cold = remote, 0, ()  # the remote hit replaces the local one
         cold_tokens = sum(min(n.end, length) - n.start for n in cold if n.start < length)
         if length:
             self._account(path[:used], hits=1, tokens_served=length)
@@ -236,6 +243,7 @@ class Space:
             len([n for n in cold if n.start < length]),
             cold_tokens,
             time.perf_counter() - start,
+            length if remote is not None else 0,
         )
         self.last_hit = hit
         return hit
@@ -281,13 +289,50 @@ class Space:
             target = path[-1].end if path else 0
         return None
 
+    def _fetch_remote(self, toks: np.ndarray, length: int):
+        """A longer prefix than `length` from the remote tier: (its length, a cache
+        restored to it), also stored here (cold, and hot if it fits); None if the
+        server has none, is unreachable or answers something that fails its checks."""
+        remote = self.tiers.remote
+        if remote is None or len(toks) - 1 - length < MIN_REMOTE_GAIN:
+            return None
+        ns = self.namespace.key
+        got = remote.fetch(ns, toks[:-1], length, lambda end: prefix_key(ns, toks[:end]))
+        path, snaps, target = (got.links, got.snapshots, got.length) if got else ([], [], 0)
+        while path:
+            end = min(target, path[-1].end)
+            chains = self._chains(path, snaps)
+            if chains is not None and end > max(length, path[-1].start):
+                cache = self.new_cache()
+                if self._restored(cache, chains, end, None) and self._keep_remote(toks[:end], cache, path, length):
+                    self.tiers.counts["remote_tokens"] += end
+                    return end, cache
+            path, snaps = path[:-1], snaps[:-1]
+            target = path[-1].end if path else 0
+        return None
+
+    def _keep_remote(self, toks: np.ndarray, cache, links, length: int) -> bool:
+        """Store a remote hit here; arrays that do not fit this model are a miss."""
+        end = len(toks)
+        seconds = sum(
+            link.seconds * max(0, min(link.end, end) - max(link.start, length)) / (link.end - link.start)
+            for link in links
+        )
+        try:
+            with self.tiers.from_remote():
+                self.insert(toks, cache, prefill_seconds=seconds)
+        except CacheError as e:
+            self.tiers.report("remote_layout", toks[:8].tobytes(), f"a remote hit does not fit this model: {e}")
+            return False
+        return True
+
     def _restored(self, cache, chains, end: int, last: Node) -> bool:
         """restore_prompt_cache, with stored snapshots that do not fit (a file of
         another layout that passed its own checks) reported as a miss."""
         try:
             return C.restore_prompt_cache(cache, chains, end)
         except CacheError as e:
-            self.tiers.report("layout", last.key, f"stored snapshots do not fit this namespace: {e}")
+            self.tiers.report("layout", last.key if last else b"", f"stored snapshots do not fit this namespace: {e}")
             return False
 
     def _chains(self, path: list[Node], snaps: list[list[Snapshot]]):

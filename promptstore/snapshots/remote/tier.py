@@ -28,6 +28,7 @@ from redis.retry import Retry
 
 from ...caches import Snapshot
 from ...errors import ColdFileError, DiskWriteError, RemoteError
+from ...identity import NodeId
 from ..cold import NODE_KEY, ColdTier, NodeFileMeta
 from ..safetensors_header import read_header
 from .keys import CHUNK, RemoteKeys, blob_key, index_key
@@ -129,6 +130,7 @@ class RemoteTier:
         self._keys: dict[bytes, RemoteKeys] = {}
         self._sent: set[bytes] = set()  # blob ids this process has put on the server
         self._down_until = 0.0
+        self.last_round_trips = 0  # of the last hit: lookup (1-2) plus blobs (1)
         self._lock = threading.Lock()
         self._pub = _Publisher()
         self._pub.thread = threading.Thread(target=self._run, name="promptstore-remote", daemon=True)
@@ -185,6 +187,7 @@ class RemoteTier:
             self.counts["remote_misses"] += 1
             return None
         self.counts["remote_hits"] += 1
+        self.last_round_trips = hit.round_trips
         return hit
 
     def _lookup(self, namespace: bytes, tokens: np.ndarray, beyond: int) -> _Lookup | None:
@@ -246,13 +249,13 @@ class RemoteTier:
         spanning the link (key None: the node the file names, for a node the
         prompt leaves inside, whose end this prompt cannot name)."""
         try:
-            rel = self.cold.write_bytes(key or b"\0" * 16, link.start, link.end, data)
+            rel = self.cold.write_bytes(NodeId(key or bytes(16), namespace, link.start, link.end), data)
         except DiskWriteError as e:
             raise RemoteError(f"cannot place a fetched blob: {e}", "disk") from None
         try:
             if key is None:
                 key = _claimed_key(self.cold.absolute(rel))
-            return self.cold.load(rel, key=key, namespace=namespace, start=link.start, end=link.end)
+            return self.cold.load(rel, NodeId(key, namespace, link.start, link.end))
         except ColdFileError as e:
             raise RemoteError(f"blob {link.blob[:12]}: {e}", "garbage") from None
         finally:
