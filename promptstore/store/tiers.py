@@ -269,7 +269,10 @@ class Tiers:
     def spill_all(self) -> None:
         """Put every node that is only in memory on disk (close, whatever the durability)."""
         for entry in self.hot.dirty_entries():
-            self._submit(SpillJob(entry.node, entry.snapshots))
+            with self.lock:
+                queued = self.pending.get(entry.key)
+            if queued is None or queued.snapshots is not entry.snapshots:  # not one already on its way
+                self._submit(SpillJob(entry.node, entry.snapshots))
         self.flush()
 
     def cold_bytes(self) -> int:

@@ -132,6 +132,7 @@ class RemoteTier:
         self._down_until = 0.0
         self.last_round_trips = 0  # of the last hit: lookup (1-2) plus blobs (1)
         self._lock = threading.Lock()
+        self._queued: set[bytes] = set()
         self._pub = _Publisher()
         self._pub.thread = threading.Thread(target=self._run, name="promptstore-remote", daemon=True)
         self._pub.thread.start()
@@ -265,9 +266,15 @@ class RemoteTier:
 
     def submit(self, node_key: bytes) -> None:
         """Queue a node (already in a cold file) for publishing; never blocks."""
+        with self._lock:
+            if node_key in self._queued:
+                return  # a node spilled twice before its publish ran goes once
+            self._queued.add(node_key)
         try:
             self._pub.queue.put_nowait(node_key)
         except queue.Full:
+            with self._lock:
+                self._queued.discard(node_key)
             self.counts["remote_publish_dropped"] += 1
 
     def _run(self) -> None:
@@ -277,6 +284,8 @@ class RemoteTier:
             try:
                 if item is None:
                     return
+                with self._lock:
+                    self._queued.discard(item)
                 if not self._pub.stop.is_set():
                     self._publish_node(item)
             except Exception:  # a bug must not kill the publisher silently
