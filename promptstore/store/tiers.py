@@ -113,11 +113,13 @@ class Tiers:
         """Hold a node's snapshots and spill per the durability setting."""
         mx.eval([a for s in snapshots if s is not None for a in s.all_arrays()])
         evicted = self.hot.put(node.key, snapshots, prefill_seconds=prefill_seconds, node=node)
-        if getattr(self._origin, "remote", False):
+        quiet = getattr(self._origin, "remote", False)
+        if quiet:
             self.quiet.add(node.key)
         mode = self.settings.durability
-        # With a remote tier every node goes to disk at once: a node is published from its file.
-        through = mode == "write_through" or (mode == "write_back" and self.remote is not None)
+        # With a remote tier a node goes to disk at once, to be published from its file;
+        # a copy of a remote hit waits for eviction or close (the server has it meanwhile).
+        through = mode == "write_through" or (mode == "write_back" and self.remote is not None and not quiet)
         if mode == "sync":
             self.writer.write_now(SpillJob(node, snapshots))
         elif through:

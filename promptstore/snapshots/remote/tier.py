@@ -250,7 +250,8 @@ class RemoteTier:
         spanning the link (key None: the node the file names, for a node the
         prompt leaves inside, whose end this prompt cannot name)."""
         try:
-            rel = self.cold.write_bytes(NodeId(key or bytes(16), namespace, link.start, link.end), data)
+            # Read once and removed: no fsync. (A crash leaves an orphan compact reclaims.)
+            rel = self.cold.write_bytes(NodeId(key or bytes(16), namespace, link.start, link.end), data, durable=False)
         except DiskWriteError as e:
             raise RemoteError(f"cannot place a fetched blob: {e}", "disk") from None
         try:
