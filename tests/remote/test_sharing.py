@@ -73,3 +73,6 @@ def test_publish_threshold_and_what_this_store_published(tmp_path, redis_server,
         redis_server.client().flushall()
         summary = ledger_summary(tmp_path / "c", redis_server.client(), exists)
         assert (summary["on_server"], summary["evicted"]) == (0, 1)
+    with promptstore.PromptStore.open(tmp_path / "c", remote_url=redis_server.url) as c:
+        summary = c.tiers.remote.summary(lambda key: c.index.get(key) is not None)
+        assert (summary["published"], summary["evicted"], summary["local_gone"]) == (1, 1, 0)

@@ -372,6 +372,11 @@ class RemoteTier:
         except OSError as e:
             log.warning("could not append to %s: %s", self.ledger, e)
 
+    def summary(self, node_exists: Callable[[bytes], bool]) -> dict:
+        """ledger_summary for this store, with this process's counters."""
+        client = self.client if self.available() else None
+        return {**ledger_summary(self.cold.root.parent, client, node_exists), "counts": dict(self.counts)}
+
     # --- shutdown ---------------------------------------------------------------------
 
     def flush(self, seconds: float | None = None) -> bool:
