@@ -278,6 +278,7 @@ def _namespace_figures(root: Path, args) -> dict:
 
 
 def _find_namespace(index, args, salt: str | None, root: Path):
+    from .config import Settings
     from .errors import KeyCollisionError, ReadOnlyIndexError, UnknownNamespaceError
     from .index import Namespace
 
@@ -289,13 +290,12 @@ def _find_namespace(index, args, salt: str | None, root: Path):
             raise missing from None
         # Only the salt's holder may read a salted namespace: the fingerprint covers its digest.
         try:
-            tenant = None if salt is None else index.tenant_digest(salt)
+            tenant = None if salt is None else index.tenant_digest(salt, Settings.from_env().tenant_key())
         except ReadOnlyIndexError:  # no salted namespace was ever made here
             raise missing from None
         if Namespace.of(ns.spec.model_copy(update={"tenant": tenant})).key != ns.key:
             raise missing
         return ns
-    from .config import Settings
     from .store import Space
 
     model, _ = _load_model(args.model, Progress())

@@ -4,6 +4,7 @@ environment (PROMPTSTORE_<NAME>, e.g. PROMPTSTORE_HOT_BYTES=1073741824)."""
 from __future__ import annotations
 
 import difflib
+import hashlib
 import logging
 import os
 from typing import Any, Literal
@@ -47,6 +48,20 @@ class Settings(BaseModel):
     file_mode: int = Field(0o600, description="permissions of snapshot files")
     dir_mode: int = Field(0o700, description="permissions of store directories")
     map_size: int = Field(64 << 20, ge=1 << 16, description="initial LMDB map size; it grows when full")
+    # The remote tier: a Redis or Valkey every replica shares (docs/remote.md).
+    remote_url: str | None = Field(
+        None, description="redis://host:port/db (or rediss://, unix://) shared by every replica; None: no remote tier"
+    )
+    remote_secret: str | None = Field(
+        None,
+        description="a secret every replica shares, mixed into remote keys and blob encryption (never stored); "
+        "it also keys the digests of tenant salts, so replicas agree on salted namespaces",
+    )
+    remote_timeout: float = Field(0.5, gt=0, le=60, description="seconds a remote round trip may wait before a miss")
+    remote_publish_seconds: float = Field(
+        0.0, ge=0, description="publish only nodes whose prefill time saved is at least this (0: every node)"
+    )
+    remote_close_seconds: float = Field(10.0, ge=0, description="how long close() waits for queued publishes")
 
     @field_validator("file_mode", "dir_mode")
     @classmethod
@@ -56,6 +71,20 @@ class Settings(BaseModel):
         if not 0 <= mode <= 0o777 or mode & need != need:
             raise ValueError(f"{oct(mode)}: a permission mode (at most 0o777) that includes {oct(need)}")
         return mode
+
+    @field_validator("remote_url")
+    @classmethod
+    def _redis_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{url!r}: a redis://, rediss:// or unix:// URL")
+        return url or None
+
+    def tenant_key(self) -> bytes | None:
+        """The key of tenant digests that every replica derives alike from
+        remote_secret; None: each store keys them with a random key of its own."""
+        if self.remote_secret is None:
+            return None
+        return hashlib.sha256(b"promptstore tenant key\0" + self.remote_secret.encode()).digest()
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:

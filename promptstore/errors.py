@@ -63,6 +63,19 @@ class DiskWriteError(TierError):
     """A cold file could not be written (disk full, read-only filesystem, ...)."""
 
 
+class RemoteError(TierError):
+    """The remote tier could not serve or store something: down, slow, full, or
+    answering bytes that fail their checks. Callers of the store never see it: it
+    becomes a reported miss.
+
+    reason: a short tag for reports ("down", "garbage", "missing", ...).
+    """
+
+    def __init__(self, message: str, reason: str = "down"):
+        super().__init__(message)
+        self.reason = reason
+
+
 # --- index ------------------------------------------------------------------
 
 

@@ -112,9 +112,10 @@ class Index:
         self._namespaces[ns.key] = ns
         return ns
 
-    def tenant_digest(self, salt: str) -> str:
-        """What a namespace holds for a tenant's salt: scrypt keyed by this store's tenant key."""
-        return tenant_digest(salt, self._tenant_key())
+    def tenant_digest(self, salt: str, key: bytes | None = None) -> str:
+        """What a namespace holds for a tenant's salt: scrypt keyed by `key` (a key
+        replicas share), else by this store's own random tenant key."""
+        return tenant_digest(salt, key if key is not None else self._tenant_key())
 
     def _tenant_key(self) -> bytes:
         # Made by the first bind that needs it; one write txn, so concurrent binds agree.

@@ -290,6 +290,29 @@ class ColdTier:
         digest = xxhash.xxh3_128_hexdigest(json.dumps(sums, sort_keys=True).encode())
         return FileRef(rel, size, digest)
 
+    def write_bytes(self, node: NodeId, data: bytes, durable: bool = True) -> str:
+        """Place the bytes of a node's file made elsewhere (the remote tier) under
+        this node's name, atomically; returns its relative path. Nothing in it is
+        trusted: `load` verifies it like any other file. durable=False: no fsync,
+        for a file read once and removed."""
+        rel = self.relative_path(node, secrets.token_hex(TAG_BYTES))
+        final = self.root / rel
+        temp = final.with_name(f"{final.stem}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
+        try:
+            self._mkdirs(final.parent)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            if durable:
+                self._sync_file(temp)
+            os.replace(temp, final)
+            if durable:
+                self._sync_dir(final.parent)
+        except OSError as e:
+            self._discard(temp)
+            raise DiskWriteError(f"could not write {rel}: {e.strerror or e}") from e
+        return rel
+
     def _sync_file(self, path: Path) -> None:
         if self.fsync:
             fd = os.open(path, os.O_RDONLY)

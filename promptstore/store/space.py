@@ -31,7 +31,7 @@ from ..errors import (
     UnsupportedCacheError,
 )
 from ..identity import NodeId
-from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord
+from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, prefix_key
 from .tokens import model_tokens, vocabulary_size
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 # A rough prefill cost per token, used to value nodes inserted without a timing.
 ESTIMATED_SECONDS_PER_TOKEN = 1e-3
+# A remote lookup costs round trips: not worth them for fewer new tokens than this.
+MIN_REMOTE_GAIN = 16
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Hit:
     cache: per-layer caches at offset `length`, usable as mlx-lm's prompt_cache.
     checkpoints: positions p > length where the caller, while prefilling,
         should call `space.insert(tokens[:p], cache)`.
+    remote_tokens: of `length`, tokens restored from the remote tier (0: none).
     """
 
     length: int
@@ -60,6 +63,7 @@ class Hit:
     cold_nodes: int = 0
     cold_tokens: int = 0
     seconds: float = 0.0
+    remote_tokens: int = 0
 
 
 def layer_spec(cache: Any, dtype: str) -> LayerSpec:
@@ -159,7 +163,7 @@ class Space:
             model_id=model_id,
             weights_digest=None if model_id else weights_digest(model),
             layers=[layer_spec(c, dtype) for c in template],
-            tenant=None if salt is None else index.tenant_digest(salt),
+            tenant=None if salt is None else index.tenant_digest(salt, settings.tenant_key()),
         )
         return cls(index, tiers, settings, model, index.register_namespace(spec), kwargs, dtype)
 
@@ -192,6 +196,9 @@ class Space:
         target = match.restorable
         restored = self._restore(cache, path, target)
         length, used, cold = restored if restored else (0, 0, ())
+        remote = self._fetch_remote(toks, length)
+        if remote is not None:
+            (length, cache), used, cold = remote, 0, ()  # the remote hit replaces the local one
         cold_tokens = sum(min(n.end, length) - n.start for n in cold if n.start < length)
         if length:
             self._account(path[:used], hits=1, tokens_served=length)
@@ -208,6 +215,7 @@ class Space:
             len([n for n in cold if n.start < length]),
             cold_tokens,
             time.perf_counter() - start,
+            length if remote is not None else 0,
         )
         self.last_hit = hit
         return hit
@@ -257,13 +265,50 @@ class Space:
             target = path[-1].end if path else 0
         return None
 
+    def _fetch_remote(self, toks: np.ndarray, length: int):
+        """A longer prefix than `length` from the remote tier: (its length, a cache
+        restored to it), also stored here (cold, and hot if it fits); None if the
+        server has none, is unreachable or answers something that fails its checks."""
+        remote = self.tiers.remote
+        if remote is None or len(toks) - 1 - length < MIN_REMOTE_GAIN:
+            return None
+        ns = self.namespace.key
+        got = remote.fetch(ns, toks[:-1], length, lambda end: prefix_key(ns, toks[:end]))
+        path, snaps, target = (got.links, got.snapshots, got.length) if got else ([], [], 0)
+        while path:
+            end = min(target, path[-1].end)
+            chains = C.restore_chains(snaps, path[-1].end)
+            if chains is not None and end > max(length, path[-1].start):
+                cache = self.new_cache()
+                if self._restored(cache, chains, end, None) and self._keep_remote(toks[:end], cache, path, length):
+                    self.tiers.counts["remote_tokens"] += end
+                    return end, cache
+            path, snaps = path[:-1], snaps[:-1]
+            target = path[-1].end if path else 0
+        return None
+
+    def _keep_remote(self, toks: np.ndarray, cache, links, length: int) -> bool:
+        """Store a remote hit here; arrays that do not fit this model are a miss."""
+        end = len(toks)
+        seconds = sum(
+            link.seconds * max(0, min(link.end, end) - max(link.start, length)) / (link.end - link.start)
+            for link in links
+        )
+        try:
+            with self.tiers.from_remote():
+                self.insert(toks, cache, prefill_seconds=seconds)
+        except CacheError as e:
+            self.tiers.report("remote_layout", toks[:8].tobytes(), f"a remote hit does not fit this model: {e}")
+            return False
+        return True
+
     def _restored(self, cache, chains, end: int, last: Node) -> bool:
         """restore_prompt_cache, with stored snapshots that do not fit (a file of
         another layout that passed its own checks) reported as a miss."""
         try:
             return C.restore_prompt_cache(cache, chains, end)
         except CacheError as e:
-            self.tiers.report("layout", last.key, f"stored snapshots do not fit this namespace: {e}")
+            self.tiers.report("layout", last.key if last else b"", f"stored snapshots do not fit this namespace: {e}")
             return False
 
     # --- insert -----------------------------------------------------------------------
@@ -280,7 +325,8 @@ class Space:
         for attempt in range(6):
             plan = self.index.plan_insert(self.namespace, toks)
             try:
-                return self._commit(plan, toks, cache, prefill_seconds)
+                # The last try splits a node whose data is nowhere rather than give up.
+                return self._commit(plan, toks, cache, prefill_seconds, lost_ok=attempt == 5)
             except (StaleInsertError, _NodeChanged):
                 continue
             except KeyCollisionError:
@@ -349,13 +395,13 @@ class Space:
             return snaps
         return C.split_node(snaps, node.end)[0]
 
-    def _commit(self, plan, toks: np.ndarray, cache, prefill_seconds) -> int:
+    def _commit(self, plan, toks: np.ndarray, cache, prefill_seconds, lost_ok: bool = False) -> int:
         self._heal(plan, cache, len(toks))
         start, end = plan.span
         split_records = None
         uppers = lowers = None
         if plan.split is not None:
-            split_records, uppers, lowers = self._split(plan, cache, len(toks))
+            split_records, uppers, lowers = self._split(plan, cache, len(toks), lost_ok)
             if split_records is None:
                 raise _SplitDataUnavailable()
         new = self._snap_span(cache, start, end) if end > start else None
@@ -391,16 +437,26 @@ class Space:
             }
         )
 
-    def _split(self, plan, cache, position: int):
+    def _split(self, plan, cache, position: int, lost_ok: bool = False):
+        """Records and snapshots of the two halves of the node an insert cuts.
+
+        lost_ok: when the node's data is nowhere (a writer died before spilling
+        it), the upper half comes from `cache` (which holds its tokens) and the
+        lower half holds nothing until a prompt through it stores it again.
+        """
         node = self._node(plan.split.key)
         snaps = self.tiers.get(node) if node is not None else None
+        if snaps is None and (node is None or not lost_ok):
+            return None, None, None  # another process may still spill it: try again
         if snaps is None:
-            return None, None, None  # its data is gone: do not split what cannot be served
+            snaps = [None] * self.namespace.n_layers
         uppers, lowers = C.split_node(snaps, plan.split.at)
         if position == plan.split.at:
             # The cache is at the split point: it has every layer's state there,
             # whole-state ones included (a caller following hit.checkpoints).
             uppers = self._snap_span(cache, node.start, position)
+        elif not any(s is not None for s in snaps):
+            uppers = self._snap_node(cache, NodeId(node.key, node.namespace, node.start, plan.split.at), position)
         frac = (plan.split.at - node.start) / (node.end - node.start)
         seconds = node.record.prefill_seconds
         upper_rec = self._record(uppers, seconds * frac, 0)
@@ -411,7 +467,8 @@ class Space:
         self.tiers.forget(plan.split.key)
         split, ns = plan.split, self.namespace.key
         self._put(NodeId(split.upper_key, ns, split.start, split.at), uppers, None)
-        self._put(NodeId(split.key, ns, split.at, split.end), lowers, None)
+        if any(s is not None for s in lowers):
+            self._put(NodeId(split.key, ns, split.at, split.end), lowers, None)
 
     def _put(self, node_id: NodeId, snaps, seconds) -> None:
         """Hold snapshots for the node they were made for; if another process

@@ -15,11 +15,13 @@ import logging
 import threading
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from ..caches import Snapshot
 from ..config import Settings
@@ -28,6 +30,7 @@ from ..identity import NodeId
 from ..index import Index, Node
 from ..snapshots import ColdTier, HotTier, SpillJob, Writer
 from ..snapshots.cold import PendingLoad
+from ..snapshots.remote import LocalLink, PublishItem, RemoteTier
 from ..snapshots.value import value
 from .filing import Filing, filed
 
@@ -60,6 +63,52 @@ class Tiers:
         self.stranded: dict[bytes, SpillJob] = {}  # could not be written: kept in memory
         self.reports: deque[Report] = deque(maxlen=1000)
         self.lock = threading.RLock()
+        self.remote = self._remote_tier(settings)
+        self.quiet: set[bytes] = set()  # nodes made from remote hits: the server has their data
+        self._origin = threading.local()
+
+    # --- the remote tier (docs/remote.md) -----------------------------------------
+
+    def _remote_tier(self, settings: Settings) -> RemoteTier | None:
+        if settings.remote_url is None:
+            return None
+        return RemoteTier(
+            settings.remote_url,
+            self.cold,
+            self._describe,
+            self.report,
+            secret=settings.remote_secret,
+            timeout=settings.remote_timeout,
+            close_seconds=settings.remote_close_seconds,
+        )
+
+    @contextmanager
+    def from_remote(self) -> Iterator[None]:
+        """Nodes put inside are copies of a remote hit: stored here, never published back."""
+        self._origin.remote = True
+        try:
+            yield
+        finally:
+            self._origin.remote = False
+
+    def _describe(self, key: bytes) -> PublishItem | None:
+        """A filed node worth publishing, with its path from the root (publisher thread)."""
+        try:
+            node = self.index.get(key)
+            if node is None or node.record.prefill_seconds < self.settings.remote_publish_seconds:
+                return None
+            path = [node]
+            while path[0].parent != node.namespace and len(path) <= node.end:
+                parent = self.index.get(path[0].parent)
+                if parent is None:
+                    return None  # removed meanwhile
+                path.insert(0, parent)
+            links = [
+                LocalLink(n.key, n.start, n.end, n.record.file, n.record.nbytes, n.record.prefill_seconds) for n in path
+            ]
+        except CorruptRecordError:
+            return None
+        return PublishItem(node.namespace, np.concatenate([n.tokens for n in path]), links)
 
     # --- placing ------------------------------------------------------------------
 
@@ -68,13 +117,19 @@ class Tiers:
         mx.eval([a for s in snapshots if s is not None for a in s.all_arrays()])
         group = self.tenant(node.namespace)
         evicted = self.hot.put(node.key, snapshots, prefill_seconds=prefill_seconds, node=node, group=group)
+        quiet = getattr(self._origin, "remote", False)
+        if quiet:
+            self.quiet.add(node.key)
         mode = self.settings.durability
+        # With a remote tier a node goes to disk at once, to be published from its file;
+        # a copy of a remote hit waits for eviction or close (the server has it meanwhile).
+        through = mode == "write_through" or (mode == "write_back" and self.remote is not None and not quiet)
         if mode == "sync":
             self.writer.write_now(SpillJob(node, snapshots))
-        elif mode == "write_through":
+        elif through:
             self._submit(SpillJob(node, snapshots))
         for entry in evicted:
-            if entry.dirty and not (entry.key == node.key and mode != "write_back"):
+            if entry.dirty and not (entry.key == node.key and (mode == "sync" or through)):
                 self._submit(SpillJob(entry.node, entry.snapshots))
 
     def tenant(self, namespace: bytes) -> Hashable:
@@ -199,6 +254,8 @@ class Tiers:
         try:
             if self.filing.publish(job, "both" if key in self.hot else "cold"):
                 self.hot.mark_clean(key)
+                if self.remote is not None and key not in self.quiet:
+                    self.remote.submit(key)
         finally:
             # Only now: until the index names the file, the job is what serves the node.
             with self.lock:
@@ -225,11 +282,16 @@ class Tiers:
         for job in retry:
             self._submit(SpillJob(job.node, job.snapshots))
         self.writer.flush()
+        if self.remote is not None:
+            self.remote.flush()  # bounded by remote_close_seconds
 
     def spill_all(self) -> None:
         """Put every node that is only in memory on disk (close, whatever the durability)."""
         for entry in self.hot.dirty_entries():
-            self._submit(SpillJob(entry.node, entry.snapshots))
+            with self.lock:
+                queued = self.pending.get(entry.key)
+            if queued is None or queued.snapshots is not entry.snapshots:  # not one already on its way
+                self._submit(SpillJob(entry.node, entry.snapshots))
         self.flush()
 
     def cold_bytes(self) -> int:
@@ -284,3 +346,5 @@ class Tiers:
     def close(self) -> None:
         self.spill_all()
         self.writer.close()
+        if self.remote is not None:
+            self.remote.close()  # waits (bounded) for queued publishes

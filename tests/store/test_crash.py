@@ -240,3 +240,30 @@ def test_nodes_lost_in_a_crash_are_stored_again(tmp_path):
     with PromptStore.open(root, hot_bytes=0) as store:
         space = store.bind(model, model_id=MODEL_ID)
         assert [space.fetch(seq).length for seq in SEQS] == [seq.size - 1 for seq in SEQS]
+
+
+# Regression (a sibling of the one above): a prompt that diverges inside a node whose data a
+# killed writer never wrote gave up ("the node to split has no data here") and stayed a miss.
+def test_a_prompt_diverging_inside_a_node_with_no_data_is_stored(tmp_path):
+    from promptstore.index import NodeRecord
+
+    from ..conftest import prompt_tokens
+    from ..reliability._util import TOL, continuation_error
+
+    model = _model("llama")
+    base, other = prompt_tokens(40, seed=3), prompt_tokens(40, seed=4)
+    other = mx.concatenate([base[:25], other[25:]])
+    with PromptStore.open(tmp_path / "s", durability="sync") as store:
+        space = store.bind(model, model_id=MODEL_ID)
+        # What a writer killed after commit_insert and before its spill leaves behind.
+        store.index.insert(space.namespace, base.tolist(), NodeRecord.blank(space.namespace))
+        hit = space.fetch(other)
+        forward(model, hit.cache, other[hit.length :])
+        assert space.insert(other, hit.cache) == 15
+    with PromptStore.open(tmp_path / "s", hot_bytes=0) as store:
+        space = store.bind(model, model_id=MODEL_ID)
+        length, err = continuation_error(space, model, other)
+        assert length == other.size - 1 and err < TOL
+        # The shared upper half serves `base` too; its lower half holds nothing until a prompt through it.
+        length, err = continuation_error(space, model, base)
+        assert length == 25 and err < TOL

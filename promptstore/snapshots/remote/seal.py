@@ -1,0 +1,82 @@
+"""Sealing: what goes to the remote server is encrypted and authenticated.
+
+Records and blobs are AES-256-GCM under a key of their namespace, with the
+Redis key they are stored at as associated data: a value moved to another key,
+from another namespace, truncated or flipped fails to open, before anything
+parses it. A record is the chain of blobs that tiles a prefix, validated again
+after it opens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ...errors import RemoteError
+
+MAGIC = b"PSR1"
+NONCE = 12  # random per value: two replicas may seal different bytes under one key
+MAX_LINKS = 100_000
+
+
+class Link(BaseModel):
+    """One node of a published chain: its span, blob id and what it saves."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+    blob: str = Field(pattern=r"^[0-9a-f]{32}$")
+    nbytes: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+
+
+class Chain(BaseModel):
+    """The nodes that tile the prefix [0, links[-1].end), in order."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    links: list[Link] = Field(min_length=1, max_length=MAX_LINKS)
+
+    @model_validator(mode="after")
+    def _tiles(self) -> Chain:
+        at = 0
+        for link in self.links:
+            if link.start != at or link.end <= link.start:
+                raise ValueError(f"link [{link.start}, {link.end}) does not follow position {at}")
+            at = link.end
+        return self
+
+    @property
+    def end(self) -> int:
+        return self.links[-1].end
+
+
+def seal(key: bytes, plaintext: bytes, where: str) -> bytes:
+    nonce = os.urandom(NONCE)
+    return MAGIC + nonce + AESGCM(key).encrypt(nonce, plaintext, where.encode())
+
+
+def unseal(key: bytes, value: bytes | None, where: str) -> bytes:
+    """The plaintext of a sealed value, or RemoteError("garbage")."""
+    if not isinstance(value, bytes) or len(value) < len(MAGIC) + NONCE + 16 or not value.startswith(MAGIC):
+        raise RemoteError(f"{where[:16]}…: not a sealed value", "garbage")
+    nonce = value[len(MAGIC) : len(MAGIC) + NONCE]
+    try:
+        return AESGCM(key).decrypt(nonce, value[len(MAGIC) + NONCE :], where.encode())
+    except InvalidTag:
+        raise RemoteError(f"{where[:16]}…: fails authentication", "garbage") from None
+
+
+def seal_chain(key: bytes, chain: Chain, where: str) -> bytes:
+    return seal(key, chain.model_dump_json().encode(), where)
+
+
+def unseal_chain(key: bytes, value: bytes | None, where: str) -> Chain:
+    text = unseal(key, value, where)
+    try:
+        return Chain.model_validate(json.loads(text))
+    except (ValidationError, ValueError, RecursionError) as e:
+        raise RemoteError(f"{where[:16]}…: not a chain record: {str(e)[:200]}", "garbage") from None

@@ -1,0 +1,492 @@
+"""The remote tier: node files shared through one Redis (or Valkey) by many machines.
+
+A node's blob is its cold file, sealed; a chain record at each grid point and
+at the end of a published node lists the blobs that tile that prefix. A lookup
+costs two round trips whatever the prompt length (every grid key in one MGET,
+then the positions of one chunk), and the blobs a third. Anything the server
+does wrong (down, slow, restarted empty, evicting, answering garbage) is a
+reported miss after a bounded wait, never an exception to the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from ...caches import Snapshot
+from ...errors import ColdFileError, DiskWriteError, RemoteError
+from ...identity import NodeId
+from ..cold import NODE_KEY, ColdTier, NodeFileMeta
+from ..safetensors_header import read_header
+from .keys import CHUNK, RemoteKeys, blob_key, index_key
+from .seal import Chain, Link, seal, seal_chain, unseal, unseal_chain
+
+log = logging.getLogger("promptstore.remote")
+
+RETRY_SECONDS = 2.0  # after a connection failure, calls skip the server this long instead of each waiting out a timeout
+QUEUE = 256  # publishes waiting; past this they are dropped (counted), never blocking an insert
+LEDGER = "remote.ledger"
+CHECK_BATCH = 1000  # keys per pipelined EXISTS when counting what is still on the server
+
+# What the remote tier needs of the store: a node's identity, its path and file.
+Report = Callable[[str, bytes, str], None]
+
+
+@dataclass(frozen=True)
+class LocalLink:
+    """A node on the path of a node to publish, as this store holds it."""
+
+    key: bytes
+    start: int
+    end: int
+    file: str | None
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PublishItem:
+    """A node to publish: its namespace, prefix tokens and the path that tiles them."""
+
+    namespace: bytes
+    tokens: np.ndarray  # uint32, exactly [0, links[-1].end)
+    links: list[LocalLink]
+
+
+@dataclass
+class RemoteHit:
+    """Verified snapshots of the links that tile [0, length) (the last may reach past it)."""
+
+    length: int
+    links: list[Link]
+    snapshots: list[list[Snapshot]]
+    round_trips: int = 0
+    nbytes: int = 0
+
+
+@dataclass
+class _Lookup:
+    position: int
+    chain: Chain
+    round_trips: int
+
+
+@dataclass
+class _Publisher:
+    queue: queue.Queue = field(default_factory=lambda: queue.Queue(maxsize=QUEUE))
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+
+def connect(url: str, timeout: float) -> redis.Redis:
+    """A client that fails fast: one try per call, every socket wait bounded."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=0,
+    )
+
+
+class RemoteTier:
+    """This process's view of the shared server, for every namespace of one store.
+
+    cold: where fetched blobs are placed to be verified by the cold tier's loader.
+    describe: node key -> PublishItem (or None when the node is gone), run on the
+        publishing thread.
+    report: (reason, key, detail) for misses an operator should see.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        cold: ColdTier,
+        describe: Callable[[bytes], PublishItem | None],
+        report: Report,
+        *,
+        secret: str | None = None,
+        timeout: float = 0.5,
+        close_seconds: float = 10.0,
+    ):
+        self.client = connect(url, timeout)
+        self.cold, self.describe, self.report = cold, describe, report
+        self.secret, self.close_seconds = secret, close_seconds
+        self.ledger = cold.root.parent / LEDGER
+        self.counts: Counter = Counter()
+        self._keys: dict[bytes, RemoteKeys] = {}
+        self._sent: set[bytes] = set()  # blob ids this process has put on the server
+        self._down_until = 0.0
+        self.last_round_trips = 0  # of the last hit: lookup (1-2) plus blobs (1)
+        self._lock = threading.Lock()
+        self._queued: set[bytes] = set()
+        self._pub = _Publisher()
+        self._pub.thread = threading.Thread(target=self._run, name="promptstore-remote", daemon=True)
+        self._pub.thread.start()
+
+    def keys(self, namespace: bytes) -> RemoteKeys:
+        if namespace not in self._keys:
+            self._keys[namespace] = RemoteKeys.of(namespace, self.secret)
+        return self._keys[namespace]
+
+    # --- failing fast -----------------------------------------------------------------
+
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _call(self, what: str, fn):
+        """Run one round trip; RemoteError("down") if the server is unreachable or slow."""
+        if not self.available():
+            raise RemoteError(f"{what}: the server failed less than {RETRY_SECONDS} s ago", "down")
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            self._down_until = time.monotonic() + RETRY_SECONDS
+            raise RemoteError(f"{what}: {type(e).__name__}: {e}", "down") from None
+        except redis.RedisError as e:  # OOM under noeviction, WRONGTYPE, ...
+            raise RemoteError(f"{what}: {e}", "refused") from None
+
+    def _miss(self, error: RemoteError, key: bytes = b"") -> None:
+        self.counts[f"remote_{error.reason}"] += 1
+        self.report(f"remote_{error.reason}", key, str(error))
+
+    # --- lookup and fetch -------------------------------------------------------------
+
+    def fetch(
+        self, namespace: bytes, tokens: np.ndarray, beyond: int, node_key: Callable[[int], bytes]
+    ) -> RemoteHit | None:
+        """The deepest prefix of `tokens` longer than `beyond` that the server holds,
+        as verified snapshots, or None (a miss, reported when something failed).
+
+        node_key: end -> the local key of the node tokens[:end] (what its file must name).
+        """
+        self.counts["remote_lookups"] += 1
+        try:
+            found = self._lookup(namespace, tokens, beyond)
+            if found is None:
+                self.counts["remote_misses"] += 1
+                return None
+            hit = self._load(namespace, tokens, found, node_key)
+        except RemoteError as e:
+            self._miss(e)
+            self.counts["remote_misses"] += 1
+            return None
+        if hit is None or hit.length <= beyond:
+            self.counts["remote_misses"] += 1
+            return None
+        self.counts["remote_hits"] += 1
+        self.last_round_trips = hit.round_trips
+        return hit
+
+    def _lookup(self, namespace: bytes, tokens: np.ndarray, beyond: int) -> _Lookup | None:
+        """Round trip 1: every grid key past `beyond`; round trip 2: every position
+        of the chunk after the deepest grid key found. The deepest record that
+        opens and covers its position wins."""
+        keys, n = self.keys(namespace), len(tokens)
+        grid = keys.grid(tokens, n)
+        grid_at = [j * CHUNK for j in range(1, len(grid)) if j * CHUNK > beyond]
+        values = self._mget("lookup", [index_key(grid[p // CHUNK]) for p in grid_at]) if grid_at else []
+        found = {p: v for p, v in zip(grid_at, values) if v is not None}
+        base = max(found, default=(beyond // CHUNK) * CHUNK)
+        lo, hi = max(beyond, base) + 1, min(n, base + CHUNK - 1)
+        tail = keys.positions(grid, tokens, lo, hi) if lo <= hi else {}
+        if tail:
+            found.update({p: v for p, v in zip(tail, self._mget("lookup", [index_key(k) for k in tail.values()])) if v})
+        trips = int(bool(grid_at)) + int(bool(tail))
+        for p in sorted(found, reverse=True):
+            key = keys.position(tokens, p, grid) if p not in tail else tail[p]
+            try:
+                chain = unseal_chain(keys.seal, found[p], index_key(key))
+            except RemoteError as e:
+                self._miss(e, key)
+                continue
+            links = [link for link in chain.links if link.start < p]
+            if chain.end >= p and links:
+                return _Lookup(p, Chain(links=links), trips)
+            self._miss(RemoteError(f"record at {index_key(key)[:20]}… does not cover its position", "garbage"), key)
+        return None
+
+    def _mget(self, what: str, names: list[str]) -> list:
+        return self._call(what, lambda: self.client.mget(names))
+
+    def _load(self, namespace: bytes, tokens, found: _Lookup, node_key) -> RemoteHit | None:
+        """Round trip 3: the chain's blobs; each opened, placed as a cold file and
+        verified by the cold loader. The hit ends before the first that fails."""
+        keys, links = self.keys(namespace), found.chain.links
+        names = [blob_key(bytes.fromhex(link.blob)) for link in links]
+        values = self._call("fetch", lambda: self.client.mget(names))
+        hit = RemoteHit(0, [], [], found.round_trips + 1)
+        for link, name, value in zip(links, names, values):
+            try:
+                if value is None:
+                    raise RemoteError(f"{name[:20]}…: gone (evicted or never written)", "missing")
+                plain = unseal(keys.seal, value, name)
+                whole = link.end <= found.position  # the tokens agree to the node's end
+                snaps = self._verified(namespace, link, plain, node_key(link.end) if whole else None)
+            except RemoteError as e:
+                self._miss(e, bytes.fromhex(link.blob))
+                break
+            hit.links.append(link)
+            hit.snapshots.append(snaps)
+            hit.nbytes += len(value)
+            hit.length = min(link.end, found.position)
+        return hit if hit.links else None
+
+    def _verified(self, namespace: bytes, link: Link, data: bytes, key: bytes | None) -> list[Snapshot]:
+        """The blob's snapshots, checked by the cold loader as a file of node `key`
+        spanning the link (key None: the node the file names, for a node the
+        prompt leaves inside, whose end this prompt cannot name)."""
+        try:
+            # Read once and removed: no fsync. (A crash leaves an orphan compact reclaims.)
+            rel = self.cold.write_bytes(NodeId(key or bytes(16), namespace, link.start, link.end), data, durable=False)
+        except DiskWriteError as e:
+            raise RemoteError(f"cannot place a fetched blob: {e}", "disk") from None
+        try:
+            if key is None:
+                key = _claimed_key(self.cold.absolute(rel))
+            return self.cold.load(rel, NodeId(key, namespace, link.start, link.end))
+        except ColdFileError as e:
+            raise RemoteError(f"blob {link.blob[:12]}: {e}", "garbage") from None
+        finally:
+            self.cold.delete(rel)
+
+    # --- publishing -------------------------------------------------------------------
+
+    def submit(self, node_key: bytes) -> None:
+        """Queue a node (already in a cold file) for publishing; never blocks."""
+        with self._lock:
+            if node_key in self._queued:
+                return  # a node spilled twice before its publish ran goes once
+            self._queued.add(node_key)
+        try:
+            self._pub.queue.put_nowait(node_key)
+        except queue.Full:
+            with self._lock:
+                self._queued.discard(node_key)
+            self.counts["remote_publish_dropped"] += 1
+
+    def _run(self) -> None:
+        q = self._pub.queue
+        while True:
+            item = q.get()
+            try:
+                if item is None:
+                    return
+                with self._lock:
+                    self._queued.discard(item)
+                if not self._pub.stop.is_set():
+                    self._publish_node(item)
+            except Exception:  # a bug must not kill the publisher silently
+                log.exception("publishing %s failed", item.hex()[:12] if item else item)
+                self.counts["remote_publish_failed"] += 1
+            finally:
+                q.task_done()
+
+    def _publish_node(self, node_key: bytes) -> None:
+        item = self.describe(node_key)
+        if item is None:
+            self.counts["remote_publish_gone"] += 1
+            return
+        try:
+            sent = self.publish(item)
+        except RemoteError as e:
+            self.counts["remote_publish_failed"] += 1
+            self._miss(e, node_key)
+            return
+        self.counts["remote_published"] += sent
+
+    def publish(self, item: PublishItem) -> int:
+        """Put a node's blob (and those of its path the server lacks) and the chain
+        records of their positions on the server; returns the blobs sent."""
+        keys, tokens = self.keys(item.namespace), item.tokens
+        grid = keys.grid(tokens, len(tokens))
+        chain, ids = [], []
+        for link in item.links:
+            bid = keys.blob(keys.position(tokens, link.end, grid), link.start)
+            ids.append(bid)
+            chain.append(Link(start=link.start, end=link.end, blob=bid.hex(), nbytes=link.nbytes, seconds=link.seconds))
+        missing = self._missing(ids)
+        blobs = {i: self._file_bytes(item.links[i]) for i in missing}
+        if any(data is None for data in blobs.values()):
+            self.counts["remote_publish_incomplete"] += 1  # a node of the path is in no file here
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for i, data in blobs.items():
+            name = blob_key(ids[i])
+            pipe.set(name, seal(keys.seal, data, name))
+        # Records after blobs: a record never names a blob the server has not been sent.
+        # The node's own records are written even when its blob is there (they may be evicted).
+        for i in sorted({*missing, len(ids) - 1}):
+            for p in _record_positions(item.links[i]):
+                name = index_key(keys.position(tokens, p, grid))
+                pipe.set(name, seal_chain(keys.seal, Chain(links=chain[: i + 1]), name))
+        self._call("publish", pipe.execute)
+        self._sent.update(ids[i] for i in missing)
+        self.counts["remote_published_bytes"] += sum(len(d) for d in blobs.values())
+        self._append_ledger([(ids[i], item.links[i]) for i in missing])
+        return len(missing)
+
+    def _missing(self, ids: list[bytes]) -> list[int]:
+        """Indices of path blobs the server lacks (one pipelined round trip)."""
+        unknown = [i for i, bid in enumerate(ids) if bid not in self._sent]
+        if not unknown:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for i in unknown:
+            pipe.exists(blob_key(ids[i]))
+        present = self._call("publish", pipe.execute)
+        return [i for i, there in zip(unknown, present) if not there]
+
+    def _file_bytes(self, link: LocalLink) -> bytes | None:
+        if link.file is None:
+            return None
+        try:
+            return self.cold.absolute(link.file).read_bytes()
+        except (OSError, ColdFileError):
+            return None  # re-filed or evicted meanwhile
+
+    def _append_ledger(self, sent: list[tuple[bytes, LocalLink]]) -> None:
+        """What this store published (blob ids, node keys, sizes: no token, no span)."""
+        lines = "".join(
+            json.dumps({"blob": bid.hex(), "node": link.key.hex(), "nbytes": link.nbytes, "at": round(time.time())})
+            + "\n"
+            for bid, link in sent
+        )
+        try:
+            fd = os.open(self.ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.cold.file_mode)
+            with os.fdopen(fd, "a") as f:
+                f.write(lines)
+        except OSError as e:
+            log.warning("could not append to %s: %s", self.ledger, e)
+
+    def summary(self, node_exists: Callable[[bytes], bool]) -> dict:
+        """ledger_summary for this store, with this process's counters."""
+        client = self.client if self.available() else None
+        return {**ledger_summary(self.cold.root.parent, client, node_exists), "counts": dict(self.counts)}
+
+    # --- shutdown ---------------------------------------------------------------------
+
+    def flush(self, seconds: float | None = None) -> bool:
+        """Wait (at most `seconds`, default the close setting) for queued publishes;
+        True if none is left."""
+        q = self._pub.queue
+        deadline = time.monotonic() + (self.close_seconds if seconds is None else seconds)
+        with q.all_tasks_done:
+            while q.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                q.all_tasks_done.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Wait (bounded) for queued publishes, then drop what is left."""
+        if not self.flush():
+            self.counts["remote_publish_abandoned"] += self._pub.queue.qsize()
+            log.warning("remote publishes still queued after %.1f s were dropped", self.close_seconds)
+        self._pub.stop.set()
+        try:
+            self._pub.queue.put_nowait(None)
+        except queue.Full:
+            pass  # the thread is a daemon and skips the rest once stop is set
+        self.client.close()
+
+
+def _record_positions(link: LocalLink) -> list[int]:
+    """Where a published node is findable: every grid point in (start, end], and end."""
+    first = (link.start // CHUNK + 1) * CHUNK
+    return sorted({*range(first, link.end + 1, CHUNK), link.end})
+
+
+def _claimed_key(path: Path) -> bytes:
+    try:
+        meta = NodeFileMeta.model_validate_json(read_header(path)[1].get(NODE_KEY, ""))
+        return bytes.fromhex(meta.key)
+    except (OSError, ValueError) as e:
+        raise RemoteError(f"blob without a node record: {e}", "garbage") from None
+
+
+# --- what this store published (for stats and compact) ----------------------------------
+
+
+def ledger_summary(store_root: str | os.PathLike, client: redis.Redis | None, node_exists: Callable[[bytes], bool]):
+    """What this store published to the remote tier, and how much of it is stale.
+
+    published: blobs this store sent (and their bytes); on_server: still there;
+    evicted: gone from the server (evicted, flushed or restarted empty); local_gone:
+    published nodes this store no longer holds (their blobs still serve others).
+    client None (no remote configured or reachable): server columns are None.
+    """
+    entries = read_ledger(Path(store_root) / LEDGER)
+    out = {
+        "published": len(entries),
+        "published_bytes": sum(e["nbytes"] for e in entries.values()),
+        "local_gone": sum(1 for e in entries.values() if not node_exists(bytes.fromhex(e["node"]))),
+        "on_server": None,
+        "evicted": None,
+    }
+    if client is not None and entries:
+        try:
+            there = _exists(client, list(entries))
+        except (redis.RedisError, OSError):
+            return out
+        out["on_server"] = sum(there)
+        out["evicted"] = len(there) - sum(there)
+    elif client is not None:
+        out["on_server"] = out["evicted"] = 0
+    return out
+
+
+def read_ledger(path: Path) -> dict[str, dict]:
+    """The ledger's entries by blob id (the last line for a blob wins; a torn line is skipped)."""
+    entries: dict[str, dict] = {}
+    try:
+        text = path.read_text()
+    except OSError:
+        return entries
+    for line in text.splitlines():
+        try:
+            e = json.loads(line)
+            if isinstance(e, dict) and isinstance(e.get("blob"), str) and isinstance(e.get("nbytes"), int):
+                bytes.fromhex(e["blob"]), bytes.fromhex(e["node"])
+                entries[e["blob"]] = e
+        except (ValueError, KeyError, TypeError):
+            continue
+    return entries
+
+
+def prune_ledger(store_root: str | os.PathLike, client: redis.Redis) -> int:
+    """Drop ledger entries whose blob the server no longer has; returns how many."""
+    path = Path(store_root) / LEDGER
+    entries = read_ledger(path)
+    if not entries:
+        return 0
+    there = _exists(client, list(entries))
+    keep = [e for e, ok in zip(entries.values(), there) if ok]
+    temp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    temp.write_text("".join(json.dumps(e) + "\n" for e in keep))
+    os.replace(temp, path)
+    return len(entries) - len(keep)
+
+
+def _exists(client: redis.Redis, blob_ids: list[str]) -> list[bool]:
+    out = []
+    for i in range(0, len(blob_ids), CHECK_BATCH):
+        pipe = client.pipeline(transaction=False)
+        for bid in blob_ids[i : i + CHECK_BATCH]:
+            pipe.exists(blob_key(bytes.fromhex(bid)))
+        out.extend(bool(x) for x in pipe.execute())
+    return out
