@@ -1,4 +1,4 @@
-"""The `promptstore` command: demo, generate, stats, compact."""
+"""The `promptstore` command: demo, generate, stats, compact, serve."""
 
 from __future__ import annotations
 
@@ -99,6 +99,8 @@ def main(argv=None) -> int:
     gen.set_defaults(func=_generate)
     compact = sub.add_parser("compact", help="keep a store within budget, repair and verify it", add_help=False)
     compact.set_defaults(func=None)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server (mlx_lm.server) on the store", add_help=False)
+    serve.set_defaults(func=None)
     stats = sub.add_parser("stats", help="namespaces, nodes, tokens, bytes and hit rates of a store")
     stats.add_argument("--store")
     stats.set_defaults(func=_stats)
@@ -107,6 +109,10 @@ def main(argv=None) -> int:
         from .compact_cli import run
 
         return run(argv[1:])
+    if argv[:1] == ["serve"]:
+        from .serve import main as serve
+
+        return serve(argv[1:])
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -117,3 +117,15 @@ class StoreDirectoryError(PromptStoreError):
 class SettingsError(PromptStoreError, ValueError):
     """A setting (argument or PROMPTSTORE_* variable), or a namespace's model_id or
     salt, that is not a valid value."""
+
+
+class ServeConfigError(PromptStoreError, ValueError):
+    """A `promptstore serve` option or API-keys file that cannot be used."""
+
+
+class ServeRequestError(PromptStoreError, ValueError):
+    """A request `promptstore serve` refuses; `status` is the HTTP status it answers with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
