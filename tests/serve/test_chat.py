@@ -1,0 +1,67 @@
+"""Multi-turn chats through a real `promptstore serve`: replies equal a full
+prefill's, each turn restores the whole previous turn, and so after a restart."""
+
+from .conftest import QUESTIONS, SYSTEM, chat, reference_reply, rendered_length, store_problems
+
+
+def test_each_turn_restores_the_previous_turn_and_replies_equal_a_full_prefill(serve, model_dir):
+    model = model_dir("llama")
+    server = serve(model)
+    client = server.client()
+    messages = [{"role": "system", "content": SYSTEM}]
+    previous = 0  # tokens of the conversation so far, as the template renders it
+    for n, question in enumerate(QUESTIONS):
+        if n == 2:  # the store survives a restart: the next turn hits the same
+            assert server.stop() == 0
+            server = serve(model, store=server.store)
+            client = server.client()
+        messages.append({"role": "user", "content": question})
+        text, ids, cached = chat(client, messages)
+        assert ids == reference_reply(model, messages, 12), f"turn {n}"
+        assert cached >= previous, f"turn {n} restored {cached} of the previous turn's {previous} tokens"
+        assert (cached > 0) == (n > 0)
+        messages.append({"role": "assistant", "content": text})
+        previous = rendered_length(model, messages)
+    assert server.stop() == 0
+    assert store_problems(server.store) == {}
+
+
+def test_streamed_reply_equals_the_full_reply(serve, model_dir):
+    model = model_dir("llama")
+    client = serve(model).client()
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    whole, _, _ = chat(client, messages, max_tokens=16)
+    stream = client.chat.completions.create(
+        model="default_model",
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
+
+
+def test_hybrid_model_hits_the_shared_system_prompt_on_the_second_conversation(serve, model_dir):
+    """qwen3_next's recurrent layers restore only where a whole state was
+    stored: the system segment's end is stored by the first conversation."""
+    model = model_dir("qwen3_next")
+    client = serve(model).client()
+    system = [{"role": "system", "content": SYSTEM}]
+    first = system + [{"role": "user", "content": QUESTIONS[0]}]
+    text, ids, cached = chat(client, first)
+    assert ids == reference_reply(model, first, 12) and cached == 0
+    second = system + [{"role": "user", "content": QUESTIONS[1]}]
+    _, ids, cached = chat(client, second)
+    assert ids == reference_reply(model, second, 12)
+    assert cached >= rendered_length(model, system)
+    # The first conversation's next turn restores its whole first turn.
+    first += [{"role": "assistant", "content": text}]
+    previous = rendered_length(model, first)
+    first += [{"role": "user", "content": QUESTIONS[2]}]
+    _, ids, cached = chat(client, first)
+    assert ids == reference_reply(model, first, 12)
+    assert cached >= previous
