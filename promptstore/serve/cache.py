@@ -186,13 +186,12 @@ class StoreCache:
         held = self._held(cache, len(tokens))
         if not held:
             return
-        tokens = tokens[:held]
         reply_of = next((o for o in owners if o.chat is not None and len(tokens) > len(o.prompt)), None)
         space = self._space_for(tenant, cache)
         if reply_of is not None and self.reply_tokens == "rendered":
-            self._insert_rendered(space, reply_of, tokens, cache)
+            self._insert_rendered(space, reply_of, tokens, held, cache)
         else:
-            space.insert(tokens, cache)
+            space.insert(tokens[:held], cache)
 
     def _held(self, cache: list, n_tokens: int) -> int:
         """Positions the cache holds (never more than the tokens named), 0 if unusable."""
@@ -212,14 +211,19 @@ class StoreCache:
         quantized = any(layer["kind"] == "quantized" for layer in C.prompt_layout(cache))
         return spaces[-1] if quantized else spaces[0]
 
-    def _insert_rendered(self, space: Space, request: InFlightRequest, tokens: list[int], cache: list) -> None:
+    def _insert_rendered(self, space: Space, request: InFlightRequest, named: list[int], held: int, cache) -> None:
         """Store the conversation as the next turn renders it, prefilling only
-        what differs from what the cache holds."""
+        what differs from what the cache holds.
+
+        named: prompt and reply as mlx-lm names them; the cache holds the first
+        `held` (the last reply token may not have been run through the model).
+        """
         try:
-            rendered = rendered_turn(self.tokenizer, request.chat, tokens[len(request.prompt) :])
+            rendered = rendered_turn(self.tokenizer, request.chat, named[len(request.prompt) :])
         except Exception as e:  # a template that cannot render its own reply: keep the tokens
             log.debug("reply not rendered (%s): storing the generated tokens", e)
             rendered = []
+        tokens = named[:held]
         common = common_prefix(tokens, rendered)
         if len(rendered) < 2 or common == len(rendered) == len(tokens):
             space.insert(tokens, cache)

@@ -40,6 +40,10 @@ QUESTIONS = [
 ]
 
 
+# Quantization groups are at least 32 wide: --kv-bits needs head dim 32.
+VARIANTS = {"llama-hd32": ("llama", {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32})}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,10 +124,11 @@ def model_dir(tmp_path_factory):
     """model_dir(family) -> a directory mlx_lm.load reads (written once per session)."""
     made: dict[str, Path] = {}
 
-    def make(family: str = "llama") -> Path:
-        if family not in made:
-            made[family] = write_model_dir(tmp_path_factory.mktemp(f"model-{family}"), family)
-        return made[family]
+    def make(name: str = "llama") -> Path:
+        if name not in made:
+            family, overrides = VARIANTS.get(name, (name, {}))
+            made[name] = write_model_dir(tmp_path_factory.mktemp(f"model-{name}"), family, **overrides)
+        return made[name]
 
     return make
 
@@ -148,12 +153,14 @@ def loaded(model: Path):
     return load(str(model))
 
 
-def reference_reply(model: Path, messages: list[dict], max_tokens: int) -> list[int]:
-    """Greedy tokens from a full prefill of the rendered prompt (no cache at all)."""
+def reference_reply(model: Path, messages: list[dict], max_tokens: int, **kwargs) -> list[int]:
+    """Greedy tokens from a full prefill of the rendered prompt (no cache at all);
+    kwargs go to mlx-lm's generate_step (kv_bits, ...)."""
     net, tokenizer = loaded(model)
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     out = []
-    for token, _ in generate_step(mx.array(prompt), net, max_tokens=max_tokens, sampler=lambda x: x.argmax(-1)):
+    greedy = lambda x: x.argmax(-1)  # noqa: E731
+    for token, _ in generate_step(mx.array(prompt), net, max_tokens=max_tokens, sampler=greedy, **kwargs):
         out.append(int(token))
         if token in tokenizer.eos_token_ids:
             break

@@ -65,3 +65,36 @@ def test_hybrid_model_hits_the_shared_system_prompt_on_the_second_conversation(s
     _, ids, cached = chat(client, first)
     assert ids == reference_reply(model, first, 12)
     assert cached >= previous
+
+
+def test_speculative_decoding_with_a_draft_model_restores_and_replies_equal(serve, model_dir):
+    """--draft-model: mlx_lm.server serves one request at a time and appends the
+    draft's caches to the model's; one namespace covers both."""
+    model = model_dir("llama")
+    client = serve(model, "--draft-model", str(model), "--num-draft-tokens", "2").client()
+    messages = [{"role": "system", "content": SYSTEM}]
+    previous = 0
+    for n, question in enumerate(QUESTIONS[:3]):
+        messages.append({"role": "user", "content": question})
+        text, ids, cached = chat(client, messages)
+        assert ids == reference_reply(model, messages, 12), f"turn {n}"
+        assert cached >= previous and (cached > 0) == (n > 0)
+        messages.append({"role": "assistant", "content": text})
+        previous = rendered_length(model, messages)
+
+
+def test_quantized_kv_cache_restores_and_replies_equal(serve, model_dir):
+    """--kv-bits: caches turn quantized past --quantized-kv-start; the store
+    keeps plain and quantized layouts in two namespaces of the model."""
+    model = model_dir("llama-hd32")
+    quantized = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 64}
+    client = serve(model, *[f"--{k.replace('_', '-')}={v}" for k, v in quantized.items()]).client()
+    messages = [{"role": "system", "content": SYSTEM}]
+    previous = 0
+    for n, question in enumerate(QUESTIONS[:3]):
+        messages.append({"role": "user", "content": question})
+        text, ids, cached = chat(client, messages)
+        assert ids == reference_reply(model, messages, 12, **quantized), f"turn {n}"
+        assert cached >= previous and (cached > 0) == (n > 0)
+        messages.append({"role": "assistant", "content": text})
+        previous = rendered_length(model, messages)
