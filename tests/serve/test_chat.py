@@ -1,6 +1,8 @@
 """Multi-turn chats through a real `promptstore serve`: replies equal a full
 prefill's, each turn restores the whole previous turn, and so after a restart."""
 
+import pytest
+
 from .conftest import QUESTIONS, SYSTEM, chat, reference_reply, rendered_length, store_problems
 
 
@@ -45,10 +47,12 @@ def test_streamed_reply_equals_the_full_reply(serve, model_dir):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
 
 
-def test_hybrid_model_hits_the_shared_system_prompt_on_the_second_conversation(serve, model_dir):
-    """qwen3_next's recurrent layers restore only where a whole state was
-    stored: the system segment's end is stored by the first conversation."""
-    model = model_dir("qwen3_next")
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma3_text"])
+def test_hybrid_model_hits_the_shared_system_prompt_on_the_second_conversation(serve, model_dir, family):
+    """Recurrent (qwen3_next) and sliding-window (gemma3_text) layers restore
+    only where a whole state was stored: the first conversation stores the
+    system segment's end."""
+    model = model_dir(family)
     client = serve(model).client()
     system = [{"role": "system", "content": SYSTEM}]
     first = system + [{"role": "user", "content": QUESTIONS[0]}]

@@ -5,6 +5,7 @@ several rounds of question and answer over a growing history (synthetic
 text through a chat template), scaled to a 2-core CPU. Phases: fill (every
 round), restart (both servers stopped and started again), resume (each user's
 next round: the first request after the restart), then one more round.
+Users ask at once, except in the first round, where one user goes first.
 The servers answer the same requests in turn, round by round (the one that
 goes first alternates), so both see the same machine load.
 
@@ -177,7 +178,7 @@ class Contender:
         self.results: list[dict] = []
 
     def round(self, phase: str, turn: int, max_tokens: int) -> float:
-        """Every user's next question, all at once; returns the wall time."""
+        """Every user's next question, at once; returns the wall time."""
         client = self.server.client()
         out: list[dict | None] = [None] * len(self.conversations)
 
@@ -191,11 +192,16 @@ class Contender:
             self.conversations[u] = messages + [{"role": "assistant", "content": out[u]["reply"]}]
 
         started = time.perf_counter()
-        threads = [threading.Thread(target=user, args=(u,)) for u in range(len(self.conversations))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=REQUEST_TIMEOUT_S)
+        # The first round opens with one user alone, so that every server holds the
+        # shared system prompt when the others arrive (as a server in use would),
+        # instead of whichever requests happened to arrive after the first's prefill.
+        waves = [[0], list(range(1, len(out)))] if turn == 0 else [list(range(len(out)))]
+        for wave in waves:
+            threads = [threading.Thread(target=user, args=(u,)) for u in wave]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=REQUEST_TIMEOUT_S)
         wall = time.perf_counter() - started
         if any(r is None for r in out):
             raise RuntimeError(f"{self.server.name}: a request failed in {phase} turn {turn}")
