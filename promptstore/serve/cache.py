@@ -1,8 +1,6 @@
 """The prompt cache mlx_lm.server's generation thread calls (LRUPromptCache's
-methods), backed by a PromptStore: one namespace per model key and tenant,
-checkpoints at prompt segment ends, and after a chat reply the conversation as
-the next turn will render it.
-"""
+methods) over a PromptStore: a namespace per model key and tenant, checkpoints
+at prompt segment ends, and after a chat reply the conversation as rendered."""
 
 from __future__ import annotations
 

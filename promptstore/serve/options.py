@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         "it survives restarts and is shared by every process on the store."
     )
     group = parser.add_argument_group("promptstore")
+    _add_options(group)
+    _add_settings(group, parser)
+    return parser
+
+
+def _add_options(group) -> None:
     group.add_argument("--store", help="store directory (default: $PROMPTSTORE_HOME or the user cache)")
     group.add_argument(
         "--model-id",
@@ -93,8 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds SIGTERM/SIGINT may take to finish the current step and close the store (default: 60)",
     )
-    _add_settings(group, parser)
-    return parser
 
 
 def _add_settings(group, parser: argparse.ArgumentParser) -> None:

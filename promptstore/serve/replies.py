@@ -1,10 +1,6 @@
-"""After a chat reply: the tokens the next turn will start with.
-
-The next request sends the reply back as text, and the chat template renders
-it with its own end-of-turn marker; those tokens differ from the generated
-ones at the end. So the store keeps the conversation as the template renders
-it (messages plus this reply), not as generated.
-"""
+"""After a chat reply: the tokens the next turn starts with. The client sends
+the reply back as text, which the chat template renders with its own
+end-of-turn marker: those tokens differ from the generated ones at the end."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""`promptstore serve`: mlx_lm.server with a PromptStore as its prompt cache.
-
-mlx-lm's request handling, batching, streaming and tool calling run as they
-are; subclasses add what a persistent, shared cache needs: API keys and
-tenants, the one served model (never a download), prompt checks in the HTTP
-thread, a log line per request, and a clean close of the store on SIGTERM.
-"""
+"""`promptstore serve`: mlx_lm.server, run as it is, with subclasses adding API
+keys and tenants, the one served model (never a download), prompt checks in the
+HTTP thread, a log line per request, and a clean close of the store on SIGTERM."""
 
 from __future__ import annotations
 

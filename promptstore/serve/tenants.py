@@ -1,11 +1,5 @@
 """Tenants: API keys mapped to namespace salts, and the requests in flight that
-tell the prompt cache whose namespace an insert belongs to.
-
-mlx_lm.server calls its prompt cache with (model key, tokens) only. Each request
-announces its tenant and prompt when it is tokenized; an insert lands in a
-tenant's namespace only when every request in flight whose prompt agrees with
-its tokens is that tenant's, and is skipped otherwise.
-"""
+tell the prompt cache whose namespace an insert belongs to."""
 
 from __future__ import annotations
 
@@ -95,7 +89,13 @@ class TrackedPrompt(list):
 
 
 class InFlight:
-    """Requests in flight, by the tokens they cover."""
+    """Requests in flight, by the tokens they cover.
+
+    mlx_lm.server calls its prompt cache with (model key, tokens) only. Each
+    request is tracked from its tokenization until mlx-lm lets go of it; an
+    insert belongs to a tenant only when every tracked request whose prompt
+    agrees with its tokens is that tenant's.
+    """
 
     def __init__(self):
         self._lock = threading.Lock()

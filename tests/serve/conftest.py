@@ -99,11 +99,11 @@ class Server:
         http = httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S)
         return OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, http_client=http)
 
-    def stop(self) -> int:
-        """SIGTERM, then wait (SIGKILL past the deadline); returns the exit code."""
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """`sig`, then wait (SIGKILL past the deadline); returns the exit code."""
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
+        self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout=STOP_DEADLINE_S)
         except subprocess.TimeoutExpired:

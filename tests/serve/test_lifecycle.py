@@ -1,5 +1,6 @@
 """A server killed mid-stream, clients that disconnect, and many clients at once."""
 
+import signal
 import threading
 
 from .conftest import QUESTIONS, SYSTEM, chat, reference_reply, rendered_length, store_problems
@@ -46,7 +47,7 @@ def test_client_disconnecting_mid_stream_leaves_the_server_serving(serve, model_
     _, ids, cached = chat(client, messages)
     assert ids == reference_reply(model, messages, 12)
     assert cached > 0
-    assert server.stop() == 0
+    assert server.stop(signal.SIGINT) == 0  # as Ctrl-C: the store is closed cleanly too
     assert store_problems(server.store) == {}
 
 
