@@ -1,4 +1,5 @@
-"""The `promptstore` command: one function per command, registered in COMMANDS.
+"""The `promptstore` command: one function per command, registered in COMMANDS
+(`serve` hands its arguments to promptstore.serve, whose parser is mlx_lm.server's).
 
 Every failure ends in one line on stderr and a non-zero status (`--debug`
 shows the traceback); progress goes to stderr, results to stdout.
@@ -24,11 +25,12 @@ from .console import (
     close_store,
     existing_store,
     guarded,
+    model_dir,
     prefill_callback,
     setup_logging,
     store_path,
 )
-from .errors import ModelPathError, SettingsError
+from .errors import SettingsError
 
 PROG = "promptstore"
 
@@ -59,7 +61,7 @@ def _demo(args) -> int:
             out = save_model(args.save_model)
         print(f"wrote the demo's random-weight llama and tokenizer to {out}")
         return 0
-    model = str(_model_dir(args.model)) if args.model else None
+    model = str(model_dir(args.model)) if args.model else None
     store = str(store_path(args.store)) if args.store else None
     result = run(model_path=model, store_dir=store, progress=Progress())
     if args.json:
@@ -197,7 +199,7 @@ def _session(args, progress: Progress):
     before the model loads, and the store is closed (everything spilled) afterwards."""
     from .store import PromptStore
 
-    root, model_id, salt = _model_dir(args.model), _model_id(args), _salt(args)
+    root, model_id, salt = model_dir(args.model), _model_id(args), _salt(args)
     store = PromptStore.open(store_path(args.store))
     try:
         model, tokenizer = _load_model(root, progress)
@@ -345,18 +347,8 @@ def _stats_arguments(p: argparse.ArgumentParser) -> None:
 # --- shared pieces ------------------------------------------------------------------------
 
 
-def _model_dir(path: str) -> Path:
-    """A local MLX model directory, or a typed error: nothing is ever downloaded."""
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise ModelPathError(f"--model {path}: no such directory; expected a local MLX model directory")
-    if not (root / "config.json").is_file():
-        raise ModelPathError(f"--model {path}: no config.json there; expected a local MLX model directory")
-    return root.resolve()
-
-
 def _load_model(path: str | Path, progress: Progress):
-    root = _model_dir(str(path))
+    root = model_dir(str(path))
     from mlx_lm import load
 
     with progress.task(f"loading {root.name}"):
@@ -364,7 +356,7 @@ def _load_model(path: str | Path, progress: Progress):
 
 
 def _model_id(args) -> str:
-    return args.model_id or str(_model_dir(args.model))
+    return args.model_id or str(model_dir(args.model))
 
 
 def _salt(args) -> str | None:
@@ -448,6 +440,15 @@ COMMANDS = [
         "  promptstore stats --model demo-model --salt-file tenant.salt --json",
     ),
     Command(
+        "serve",
+        lambda args: 0,  # main() hands `serve` its own argv: see _serve
+        lambda p: None,
+        "an OpenAI-compatible server on mlx_lm.server, over the store",
+        "examples:\n  promptstore serve --model demo-model --store ~/promptstore --port 8080\n"
+        "  promptstore serve --model demo-model --api-keys keys.json\n"
+        "Run `promptstore serve --help` for every option (mlx_lm.server's and the store's).",
+    ),
+    Command(
         "compact",
         compact_cli.execute,
         compact_cli.add_arguments,
@@ -496,6 +497,12 @@ def main(argv=None) -> int:
     # Nothing this command does may reach for the network (mlx-lm would try the hub).
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        # The server's options are mlx_lm.server's plus the store's: its own parser has them all.
+        from .serve import main as serve
+
+        return serve(argv[1:])
     args = parser().parse_args(argv)
     command: Command = args.command
     prog = f"{PROG} {command.name}"

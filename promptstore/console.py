@@ -17,7 +17,7 @@ from pathlib import Path
 from rich import progress as rp
 from rich.console import Console
 
-from .errors import StoreDirectoryError
+from .errors import ModelPathError, StoreDirectoryError
 
 # Off a terminal (a log file, a pipe), a running task prints a line at most this often.
 PLAIN_EVERY_S = 10.0
@@ -248,3 +248,13 @@ def close_store(store, progress: Progress) -> None:
             done.set()
             watcher.join(timeout=1.0)
         task.update(total)
+
+
+def model_dir(path: str) -> Path:
+    """A local MLX model directory, or a typed error: nothing is ever downloaded."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise ModelPathError(f"--model {path}: no such directory; expected a local MLX model directory")
+    if not (root / "config.json").is_file():
+        raise ModelPathError(f"--model {path}: no config.json there; expected a local MLX model directory")
+    return root.resolve()

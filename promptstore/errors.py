@@ -143,3 +143,15 @@ class SettingsError(PromptStoreError, ValueError):
 
 class ModelPathError(PromptStoreError, ValueError):
     """A model path that is not a local MLX model directory (nothing is ever downloaded)."""
+
+
+class ServeConfigError(PromptStoreError, ValueError):
+    """A `promptstore serve` option or API-keys file that cannot be used."""
+
+
+class ServeRequestError(PromptStoreError, ValueError):
+    """A request `promptstore serve` refuses; `status` is the HTTP status it answers with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status

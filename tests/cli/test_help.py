@@ -19,7 +19,7 @@ def test_python_dash_m_promptstore_lists_every_command_on_one_line(cli):
     assert out.startswith("usage: promptstore ")
     assert "SUPPRESS" not in out and "demo-phase" not in out
     listed = dict(re.findall(r"^    (\S+)\s+(.+)$", out, flags=re.M))
-    assert set(listed) == {"demo", "generate", "chat", "stats", "compact"}
+    assert set(listed) == {"demo", "generate", "chat", "stats", "serve", "compact"}
     for name, line in listed.items():
         summary = next(c.summary for c in COMMANDS if c.name == name)
         assert line == summary, f"{name}'s help line is wrapped or cut: {line!r}"

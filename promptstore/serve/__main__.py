@@ -1,0 +1,7 @@
+"""`python -m promptstore.serve ...`: the same as `promptstore serve ...`."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,252 @@
+"""The prompt cache mlx_lm.server's generation thread calls (LRUPromptCache's
+methods) over a PromptStore: a namespace per model key and tenant, checkpoints
+at prompt segment ends, and after a chat reply the conversation as rendered."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.models import cache as mlx_cache
+
+from .. import caches as C
+from ..errors import PromptStoreError
+from ..generation import prefill
+from ..store import Hit, PromptStore, Space
+from ..store.space import weights_digest
+from .replies import ChatTurn, common_prefix, rendered_turn
+from .tenants import InFlight, InFlightRequest, Tenant, TrackedPrompt
+
+log = logging.getLogger("promptstore.serve")
+
+
+class ModelPair(nn.Module):
+    """A model and its draft as one model: mlx_lm.server appends the draft's
+    caches to the model's, so a namespace covers both layouts."""
+
+    def __init__(self, model: nn.Module, draft: nn.Module):
+        super().__init__()
+        self.model, self.draft = model, draft
+        self.split = len(mlx_cache.make_prompt_cache(model))
+
+    @property
+    def layers(self) -> list:
+        return [*self.model.layers, *self.draft.layers]
+
+    def make_cache(self) -> list:
+        return mlx_cache.make_prompt_cache(self.model) + mlx_cache.make_prompt_cache(self.draft)
+
+    def __call__(self, inputs, cache):
+        self.draft(inputs, cache=cache[self.split :])
+        return self.model(inputs, cache=cache[: self.split])
+
+
+def split_segments(segments: list[list[int]], kinds: list[str], points) -> tuple[list, list]:
+    """Cut prompt segments at absolute positions `points`: mlx_lm.server inserts
+    the cache at the end of every segment but the last."""
+    cuts = sorted(set(points))
+    out, out_kinds, start = [], [], 0
+    for segment, kind in zip(segments, kinds):
+        end, lo = start + len(segment), start
+        for p in cuts:
+            if lo < p < end:
+                out.append(segment[lo - start : p - start])
+                out_kinds.append(kind)
+                lo = p
+        out.append(segment[lo - start :])
+        out_kinds.append(kind)
+        start = end
+    return out, out_kinds
+
+
+@dataclass
+class _Pending:
+    """The fetch `_tokenize` made, for the fetch_nearest_cache call that follows it."""
+
+    request: InFlightRequest
+    hit: Hit | None
+
+
+class StoreCache:
+    """LRUPromptCache's interface over a PromptStore (called on the generation thread)."""
+
+    def __init__(self, store: PromptStore, *, model_id=None, kv_bits=None, kv_group_size=64, reply_tokens="rendered"):
+        self.store = store
+        self.model_id = model_id
+        self.kv_variants = (None, kv_bits) if kv_bits else (None,)
+        self.kv_group_size = kv_group_size
+        self.reply_tokens = reply_tokens
+        self.inflight = InFlight()
+        self.counts: Counter = Counter()
+        self.model = self.tokenizer = self.model_key = None
+        self.identity: str | None = None
+        self.prefill_step = 2048
+        self._spaces: dict[tuple, Space] = {}
+        self._pending: _Pending | None = None
+
+    # --- binding ------------------------------------------------------------------
+
+    def attach(self, model, tokenizer, draft, model_key, prefill_step: int) -> None:
+        """Bind to the loaded model (on the generation thread, once it is loaded)."""
+        self.model = ModelPair(model, draft) if draft is not None else model
+        self.tokenizer, self.model_key, self.prefill_step = tokenizer, model_key, prefill_step
+        _, adapter, draft_path = model_key
+        if self.model_id:
+            extras = [f"adapter={adapter}" if adapter else "", f"draft={draft_path}" if draft_path else ""]
+            self.identity = "|".join([self.model_id, *filter(None, extras)])
+        else:
+            started = time.perf_counter()
+            self.identity = "weights-xxh3:" + weights_digest(self.model)  # adapters and draft included
+            log.info("model identity: a digest of its weights (%.1f s)", time.perf_counter() - started)
+        self._spaces.clear()
+
+    def spaces(self, tenant: Tenant) -> list[Space]:
+        """The namespaces of this model for `tenant`: plain, then quantized with --kv-bits."""
+        out = []
+        for bits in self.kv_variants:
+            key = (tenant.salt, bits)
+            if key not in self._spaces:
+                self._spaces[key] = self.store.bind(
+                    self.model, model_id=self.identity, salt=tenant.salt, kv_bits=bits, kv_group_size=self.kv_group_size
+                )
+            out.append(self._spaces[key])
+        return out
+
+    # --- fetch --------------------------------------------------------------------
+
+    def begin(self, tenant: Tenant, prompt: list[int], chat: ChatTurn | None, boundaries, cacheable=True):
+        """A request was tokenized: track it and fetch its longest stored prefix.
+
+        Returns the prompt to hand mlx_lm.server (its lifetime is the request's)
+        and the positions where the store asks for checkpoints.
+        """
+        request = InFlightRequest(tenant, list(prompt), chat)
+        tracked: TrackedPrompt = self.inflight.track(request)
+        hit = self._fetch(tenant, request.prompt, boundaries) if cacheable and self.model is not None else None
+        self._pending = _Pending(request, hit)
+        return tracked, (hit.checkpoints if hit is not None else ())
+
+    def _fetch(self, tenant: Tenant, tokens: list[int], boundaries) -> Hit | None:
+        best = None
+        try:
+            for space in self.spaces(tenant):
+                hit = space.fetch(tokens, checkpoints=[p for p in boundaries if 0 < p < len(tokens)])
+                if best is None or hit.length > best.length:
+                    best = hit
+        except PromptStoreError as e:
+            log.warning("fetch of %d tokens missed: %s", len(tokens), e)
+        return best
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+        """(per-layer caches at the hit, tokens after it), or (None, tokens).
+
+        model: mlx_lm.server's model key (model path, adapter, draft model).
+        """
+        pending, self._pending = self._pending, None
+        if pending is None or model != self.model_key or pending.request.prompt != list(tokens):
+            return None, tokens  # not the request just tokenized (an image prompt's key): a miss
+        hit = pending.hit
+        if hit is None or hit.length == 0:
+            return None, tokens
+        self.counts["restored_tokens"] += hit.length
+        return hit.cache, tokens[hit.length :]
+
+    # --- insert -------------------------------------------------------------------
+
+    def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *, cache_type: str = "assistant"):
+        """Store what `prompt_cache` (holding `tokens`, or all but the last) adds.
+
+        A failed insert is logged and skipped: it must never stop the generation
+        thread, and the store leaves itself as it was.
+        """
+        try:
+            self._insert(model, [int(t) for t in tokens], prompt_cache)
+        except Exception:
+            log.exception("insert of %d tokens (%s) not stored", len(tokens), cache_type)
+
+    def _insert(self, model_key, tokens: list[int], prompt_cache) -> None:
+        if model_key != self.model_key or not tokens or min(tokens) < 0:
+            return  # another model, or an image prompt's key (negative placeholder ids)
+        owners = self.inflight.owners(tokens)
+        tenants = {o.tenant for o in owners}
+        if len(tenants) != 1:
+            # Requests of two tenants agree with these tokens (or none does): storing
+            # them in either namespace could hand one tenant's state to the other.
+            self.counts["inserts_skipped_ambiguous" if owners else "inserts_skipped_unowned"] += 1
+            log.debug("insert of %d tokens skipped: %d tenants in flight share them", len(tokens), len(tenants))
+            return
+        tenant = tenants.pop()
+        cache = C.adopt_prompt_cache(prompt_cache)
+        held = self._held(cache, len(tokens))
+        if not held:
+            return
+        reply_of = next((o for o in owners if o.chat is not None and len(tokens) > len(o.prompt)), None)
+        space = self._space_for(tenant, cache)
+        if reply_of is not None and self.reply_tokens == "rendered":
+            self._insert_rendered(space, reply_of, tokens, held, cache)
+        else:
+            space.insert(tokens[:held], cache)
+
+    def _held(self, cache: list, n_tokens: int) -> int:
+        """Positions the cache holds (never more than the tokens named), 0 if unusable."""
+        if isinstance(self.model, ModelPair):
+            main, draft = cache[: self.model.split], cache[self.model.split :]
+            pm, pd = C.prompt_position(main), C.prompt_position(draft)
+            if pm != pd and not C.restore_prompt_cache(main if pm > pd else draft, None, min(pm, pd)):
+                return 0  # the two models' caches cannot be brought to one position
+        if all(layer["kind"] == "arrays" for layer in C.prompt_layout(cache)):
+            held = C.prompt_position(cache, n_tokens)  # recurrent layers alone do not know their position
+        else:
+            held = C.prompt_position(cache)
+        return held if held <= n_tokens else 0
+
+    def _space_for(self, tenant: Tenant, cache: list) -> Space:
+        spaces = self.spaces(tenant)
+        quantized = any(layer["kind"] == "quantized" for layer in C.prompt_layout(cache))
+        return spaces[-1] if quantized else spaces[0]
+
+    def _insert_rendered(self, space: Space, request: InFlightRequest, named: list[int], held: int, cache) -> None:
+        """Store the conversation as the next turn renders it, prefilling only
+        what differs from what the cache holds.
+
+        named: prompt and reply as mlx-lm names them; the cache holds the first
+        `held` (the last reply token may not have been run through the model).
+        """
+        try:
+            rendered = rendered_turn(self.tokenizer, request.chat, named[len(request.prompt) :])
+        except Exception as e:  # a template that cannot render its own reply: keep the tokens
+            log.debug("reply not rendered (%s): storing the generated tokens", e)
+            rendered = []
+        tokens = named[:held]
+        common = common_prefix(tokens, rendered)
+        if len(rendered) < 2 or common == len(rendered) == len(tokens):
+            space.insert(tokens, cache)
+            return
+        position = min(common, len(tokens))
+        if position < len(tokens) and not C.restore_prompt_cache(cache, None, position):
+            hit = space.fetch(rendered)  # window or recurrent layers cannot rewind: restart from the store
+            cache, position = hit.cache, hit.length
+        started = time.perf_counter()
+        prefill(self.model, cache, rendered, position, len(rendered), self.prefill_step)
+        space.insert(rendered, cache, prefill_seconds=time.perf_counter() - started)
+        self.counts["reply_tokens_prefilled"] += len(rendered) - position
+        log.debug("reply stored as rendered: %d tokens, %d prefilled", len(rendered), len(rendered) - position)
+
+    # --- what mlx_lm.server reads ---------------------------------------------------
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        """The store keeps its own budgets (hot_bytes, disk_bytes): nothing to trim here."""
+
+    def __len__(self) -> int:
+        return len(self.store.tiers.hot)
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.tiers.hot.nbytes
+
+    def stats_by_type(self) -> dict:
+        return {"hot (promptstore nodes)": {"n_sequences": len(self), "n_bytes": self.nbytes}}

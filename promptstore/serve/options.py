@@ -1,0 +1,144 @@
+"""The `promptstore serve` command line: every option of mlx_lm.server's own
+parser (taken from its main(), so none is copied or lost), plus promptstore's:
+the store, API keys, the model's identity, limits and store settings."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import types
+from typing import Any
+
+from mlx_lm import server as mlx_server
+
+from ..config import ENV_PREFIX, Settings
+from ..errors import ServeConfigError
+
+# Settings the server does not use (mlx-lm's --prefill-step-size drives prefill).
+UNUSED_SETTINGS = ("prefill_step",)
+# A server is stopped and killed by deployments: unless told otherwise, queue
+# every insert for disk (the store's own default keeps inserts in memory).
+SERVE_DURABILITY = "write_through"
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        super().__init__("parser captured")
+        self.parser = parser
+
+
+def mlx_lm_parser() -> argparse.ArgumentParser:
+    """mlx_lm.server's parser with every option it defines.
+
+    Its main() builds the parser inline; run it with an ArgumentParser whose
+    parse_args hands the finished parser back instead of parsing.
+    """
+
+    class Capturing(argparse.ArgumentParser):
+        def parse_args(self, *args, **kwargs):
+            raise _Captured(self)
+
+    shim = types.SimpleNamespace(**vars(argparse))
+    shim.ArgumentParser = Capturing
+    saved = mlx_server.argparse
+    mlx_server.argparse = shim
+    try:
+        mlx_server.main()
+    except _Captured as captured:
+        captured.parser.__class__ = argparse.ArgumentParser  # parse normally from now on
+        return captured.parser
+    finally:
+        mlx_server.argparse = saved
+    raise ServeConfigError(
+        "mlx_lm.server.main() no longer parses its arguments with argparse; promptstore cannot serve"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """mlx_lm.server's options and promptstore's, in one parser."""
+    parser = mlx_lm_parser()
+    parser.prog = "promptstore serve"
+    parser.description = (
+        "An OpenAI-compatible server (mlx_lm.server) whose prompt cache is a promptstore:\n"
+        "it survives restarts and is shared by every process on the store."
+    )
+    parser.epilog = (
+        "examples:\n  promptstore serve --model demo-model --store ~/promptstore --port 8080\n"
+        "  promptstore serve --model demo-model --api-keys keys.json"
+    )
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error at start")
+    group = parser.add_argument_group("promptstore")
+    _add_options(group)
+    _add_settings(group, parser)
+    return parser
+
+
+def _add_options(group) -> None:
+    group.add_argument("--store", help="store directory (default: $PROMPTSTORE_HOME or the user cache)")
+    group.add_argument(
+        "--model-id",
+        help="identity to key the store by, vouched for by you (default: a digest of the weights, "
+        "computed once at start)",
+    )
+    group.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help='JSON object {"<api key>": "<tenant salt>", ...}: requests need "Authorization: Bearer <key>", '
+        "and each salt is a namespace no other tenant shares or times",
+    )
+    group.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        help="longest prompt accepted, in tokens (default: the model's max_position_embeddings, when known)",
+    )
+    group.add_argument(
+        "--reply-tokens",
+        choices=("rendered", "generated"),
+        default="rendered",
+        help="what the store keeps after a chat reply: the conversation as the chat template renders it for "
+        "the next turn (default), or the tokens as generated (mlx_lm.server's way)",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=60.0,
+        help="seconds SIGTERM/SIGINT may take to finish the current step and close the store (default: 60)",
+    )
+
+
+def _add_settings(group, parser: argparse.ArgumentParser) -> None:
+    taken = set(parser._option_string_actions)
+    for name, field in Settings.model_fields.items():
+        if name in UNUSED_SETTINGS:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if flag in taken:
+            flag = "--store-" + name.replace("_", "-")
+        default = f" (default: {SERVE_DURABILITY} here)" if name == "durability" else ""
+        group.add_argument(
+            flag,
+            dest=f"store_{name}",
+            metavar=name.upper(),
+            help=f"store setting: {field.description}{default}; also {ENV_PREFIX}{name.upper()}",
+        )
+
+
+def store_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Store settings given on the command line, as Settings overrides."""
+    out: dict[str, Any] = {}
+    for name in Settings.model_fields:
+        raw = getattr(args, f"store_{name}", None)
+        if raw is None:
+            continue
+        if name.endswith("_mode"):
+            try:
+                raw = int(raw, 0)
+            except ValueError:
+                raise ServeConfigError(f"--{name.replace('_', '-')} {raw!r}: not a number (e.g. 0o600)") from None
+        out[name] = raw
+    if "durability" not in out and ENV_PREFIX + "DURABILITY" not in os.environ:
+        out["durability"] = SERVE_DURABILITY
+    if "hot_bytes" not in out and ENV_PREFIX + "HOT_BYTES" not in os.environ and args.prompt_cache_bytes:
+        out["hot_bytes"] = args.prompt_cache_bytes  # mlx-lm's memory budget for prompt caches
+    return out

@@ -1,0 +1,329 @@
+"""`promptstore serve`: mlx_lm.server, run as it is, with subclasses adding API
+keys and tenants, the one served model (never a download), prompt checks in the
+HTTP thread, a log line per request, and a clean close of the store on SIGTERM."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+from mlx_lm import server as mlx_server
+
+from ..console import model_dir
+from ..errors import PromptStoreError, ServeRequestError
+from ..store import PromptStore
+from .cache import StoreCache, split_segments
+from .options import build_parser, store_settings
+from .replies import ChatTurn
+from .tenants import PUBLIC, KeyRing, Tenant, load_api_keys
+
+log = logging.getLogger("promptstore.serve")
+
+
+@dataclass
+class StoreRequest(mlx_server.CompletionRequest):
+    """mlx-lm's request, plus the tenant it came from."""
+
+    tenant: Tenant = PUBLIC
+
+
+class StoreModelProvider(mlx_server.ModelProvider):
+    """Serves the configured model only: any other name is refused, never loaded."""
+
+    def __init__(self, cli_args, cache: StoreCache):
+        super().__init__(cli_args)
+        self.cache = cache
+        path = Path(cli_args.model)
+        resolved = str(path.resolve()) if path.exists() else cli_args.model
+        self.public_id = cli_args.model_id or resolved
+        self.names = {"default_model", cli_args.model, resolved, self.public_id}
+        self.max_positions: int | None = None
+        self.vocab_size: int | None = None
+
+    def served(self, model: str | None, adapter: str | None, draft: str | None) -> bool:
+        return (
+            model in self.names
+            and adapter in (None, self.cli_args.adapter_path)
+            and draft in (None, "default_model", self.cli_args.draft_model)
+        )
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        if not self.served(model_path, adapter_path, draft_model_path):
+            raise ServeRequestError(f"model {model_path!r} is not served here", status=404)
+        return super().load("default_model", None, "default_model")
+
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        super()._load(model_path, adapter_path, draft_model_path)
+        args = getattr(self.model, "args", None)
+        self.max_positions = getattr(args, "max_position_embeddings", None)
+        vocab = [len(self.tokenizer._tokenizer), getattr(args, "vocab_size", None)]
+        self.vocab_size = min(v for v in vocab if v)
+        self.cache.attach(self.model, self.tokenizer, self.draft_model, self.model_key, self.cli_args.prefill_step_size)
+
+
+class StoreResponseGenerator(mlx_server.ResponseGenerator):
+    """mlx-lm's generation loop; tokenizing also tracks the request and fetches."""
+
+    def __init__(self, provider: StoreModelProvider, cache: StoreCache, keyring: KeyRing):
+        # Set before super().__init__, which starts the generation thread.
+        self.store_cache, self.keyring = cache, keyring
+        super().__init__(provider, cache)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.generation_available() and self.model_provider.model is not None
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        given = self.cli_args.max_prompt_tokens
+        return given if given is not None else self.model_provider.max_positions
+
+    def _tokenize(self, tokenizer, request, args):
+        if request.request_type == "text" and isinstance(request.prompt, list):
+            prompt = [int(t) for t in request.prompt]
+            segments, kinds, state, vision = [prompt], ["assistant"], "normal", None
+        else:
+            prompt, segments, kinds, state, vision = super()._tokenize(tokenizer, request, args)
+        chat = None
+        if request.request_type == "chat" and tokenizer.has_chat_template and vision is None:
+            chat = ChatTurn(request.messages, request.tools, self._template_kwargs(args.chat_template_kwargs))
+        ends = [sum(len(s) for s in segments[: i + 1]) for i in range(len(segments) - 1)]
+        tenant = getattr(request, "tenant", PUBLIC)
+        tracked, checkpoints = self.store_cache.begin(tenant, prompt, chat, ends, cacheable=vision is None)
+        segments, kinds = split_segments(segments, kinds, checkpoints)
+        return tracked, segments, kinds, state, vision
+
+    def _template_kwargs(self, overrides: dict | None) -> dict:
+        kwargs = dict(self.cli_args.chat_template_args)
+        kwargs.update(overrides or {})
+        return kwargs
+
+    # --- the HTTP thread ------------------------------------------------------------
+
+    def check_prompt(self, request, chat_template_kwargs) -> int:
+        """The prompt's length in tokens, or ServeRequestError (before anything is queued)."""
+        tokenizer = self.model_provider.tokenizer
+        if tokenizer is None:
+            raise ServeRequestError("the model is still loading; retry shortly", status=503)
+        if request.request_type == "text":
+            n = self._text_length(tokenizer, request.prompt)
+        else:
+            probe = mlx_server.CompletionRequest(
+                "chat", "", copy.deepcopy(request.messages), request.tools, request.role_mapping
+            )
+            args = SimpleNamespace(chat_template_kwargs=chat_template_kwargs)
+            try:
+                n = len(mlx_server.ResponseGenerator._tokenize(self, tokenizer, probe, args)[0])
+            except Exception as e:
+                raise ServeRequestError(f"the messages cannot be rendered: {e}") from None
+        limit = self.max_prompt_tokens
+        if n == 0:
+            raise ServeRequestError("the prompt is empty")
+        if limit is not None and n > limit:
+            raise ServeRequestError(
+                f"the prompt has {n} tokens; this server takes at most {limit} (--max-prompt-tokens)"
+            )
+        return n
+
+    def _text_length(self, tokenizer, prompt) -> int:
+        if isinstance(prompt, str):
+            return len(tokenizer.encode(prompt))
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ServeRequestError("prompt must be a string or a list of token ids (one prompt per request)")
+        vocab = self.model_provider.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ServeRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return len(prompt)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        started = time.perf_counter()
+        ctx, responses = super().generate(request, generation_args, progress_callback)
+        return ctx, self._logged(request, ctx, responses, started)
+
+    @staticmethod
+    def _logged(request, ctx, responses, started):
+        first, produced = None, 0
+        try:
+            for response in responses:
+                first = first or time.perf_counter()
+                produced += 1
+                yield response
+        finally:
+            prompt, restored = len(ctx.prompt), max(ctx.prompt_cache_count, 0)
+            ttft = f"{(first - started) * 1e3:.1f} ms" if first else "none"
+            log.info(
+                "request (%s): prompt %d tokens, restored %d, prefilled %d, TTFT %s, %d tokens generated",
+                getattr(request, "tenant", PUBLIC).label,
+                prompt,
+                restored,
+                prompt - restored,
+                ttft,
+                produced,
+            )
+
+
+class StoreHandler(mlx_server.APIHandler):
+    """mlx-lm's handler with API keys, the served model only, and prompt checks."""
+
+    tenant: Tenant = PUBLIC
+
+    def do_POST(self):
+        tenant = self._authorize()
+        if tenant is not None:
+            self.tenant = tenant
+            super().do_POST()
+
+    def do_GET(self):
+        if self.path.startswith("/v1/") and self._authorize() is None:
+            return
+        super().do_GET()
+
+    def _authorize(self) -> Tenant | None:
+        tenant = self.response_generator.keyring.tenant(self.headers.get("Authorization"))
+        if tenant is None:
+            self._discard_body()
+            self._error(401, "missing or unknown API key: send 'Authorization: Bearer <key>'")
+        return tenant
+
+    def _discard_body(self, limit: int = 1 << 20) -> None:
+        # Read what the client sent so closing the socket does not reset it
+        # before the client reads the answer.
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            return
+        if 0 < n <= limit:
+            self.rfile.read(n)
+
+    def _error(self, status: int, message: str) -> None:
+        self._set_completion_headers(status)
+        self.end_headers()
+        self.wfile.write(json.dumps({"error": message}).encode())
+        self.wfile.flush()
+
+    def handle_models_request(self):
+        provider = self.response_generator.model_provider
+        wanted = "/".join(self.path.split("/")[3:]) or None
+        models = [{"id": provider.public_id, "object": "model", "created": self.created}]
+        body = {"object": "list", "data": [m for m in models if wanted in (None, m["id"])]}
+        self._set_completion_headers(200)
+        self.end_headers()
+        self.wfile.write(json.dumps(body).encode())
+        self.wfile.flush()
+
+    def handle_completion(self, request, stop_words):
+        provider = self.response_generator.model_provider
+        if not provider.served(self.requested_model, self.adapter, self.requested_draft_model):
+            self._error(404, f"model {self.requested_model!r} not served: this server serves {provider.public_id!r}")
+            return
+        try:
+            self.response_generator.check_prompt(request, self.chat_template_kwargs)
+        except ServeRequestError as e:
+            self._error(e.status, str(e))
+            return
+        super().handle_completion(StoreRequest(**vars(request), tenant=self.tenant), stop_words)
+
+
+def run(args, cache: StoreCache, keyring: KeyRing) -> StoreResponseGenerator:
+    """Start the generation thread and serve HTTP until interrupted (mlx_lm.server.run's job)."""
+    provider = StoreModelProvider(args, cache)
+    generator = StoreResponseGenerator(provider, cache, keyring)
+    try:
+        if mx.distributed.init().rank() == 0:
+            mlx_server._run_http_server(args.host, args.port, generator, handler_class=StoreHandler)
+        else:
+            generator.join()
+    finally:
+        generator.stop_and_join()
+    return generator
+
+
+class _Shutdown:
+    """SIGTERM and SIGINT stop serving (as Ctrl-C does in mlx_lm.server); a
+    second signal, or `timeout` seconds without finishing, exits at once."""
+
+    def __init__(self, timeout: float):
+        self.timeout, self.started = timeout, False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        if self.started:
+            log.warning("second signal: exiting without closing the store")
+            os._exit(1)
+        self.begin()
+        raise KeyboardInterrupt
+
+    def begin(self) -> None:
+        if not self.started:
+            self.started = True
+            timer = threading.Timer(self.timeout, self._expired)
+            timer.daemon = True
+            timer.start()
+
+    def _expired(self) -> None:
+        log.error("shutdown took over %.0f s: exiting without closing the store", self.timeout)
+        os._exit(1)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.model:
+        parser.error("--model is required: promptstore serve serves one local model")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s - %(levelname)s - %(message)s"
+    )
+    try:
+        args.model = str(model_dir(args.model))  # a local directory: nothing is ever downloaded
+        keyring = KeyRing(load_api_keys(args.api_keys) if args.api_keys else None)
+        store = PromptStore.open(args.store, **store_settings(args))
+    except PromptStoreError as e:
+        if args.debug:
+            raise
+        print(f"promptstore serve: error: {e}", file=sys.stderr)
+        return 2
+    mlx_server.maybe_set_recommended_wired_limit()
+    cache = StoreCache(
+        store,
+        model_id=args.model_id,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        reply_tokens=args.reply_tokens,
+    )
+    shutdown = _Shutdown(args.shutdown_timeout)
+    shutdown.install()
+    log.info("store %s (durability %s)", store.path, store.settings.durability)
+    try:
+        run(args, cache, keyring)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        shutdown.begin()
+        store.close()
+        log.info("store closed: everything is on disk")
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without finalizing the interpreter. MLX keeps a compile cache per
+    thread whose destructor calls into Python: the generation thread, joined
+    but still tearing down, aborts the process if the interpreter finalizes
+    meanwhile. Everything is closed by now."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,100 @@
+"""What `promptstore serve` relies on in mlx_lm.server, pinned: these fail
+loudly when an mlx-lm release changes the seam (raise the pin in pyproject
+only once they pass)."""
+
+import ast
+import importlib.metadata
+import inspect
+
+from mlx_lm import server as mlx_server
+from mlx_lm.models.cache import LRUPromptCache
+
+from promptstore.serve.cache import StoreCache
+from promptstore.serve.options import build_parser, mlx_lm_parser
+
+SOURCE = inspect.getsource(mlx_server)
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def test_mlx_lm_is_the_pinned_release():
+    assert importlib.metadata.version("mlx-lm").startswith("0.32.")
+
+
+def test_the_prompt_cache_is_used_only_through_methods_the_store_cache_has():
+    used = {
+        node.attr
+        for node in ast.walk(ast.parse(SOURCE))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "prompt_cache"
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "self"
+    }
+    assert used == {"fetch_nearest_cache", "insert_cache", "trim_to", "nbytes", "stats_by_type"}
+    assert "len(self.prompt_cache)" in SOURCE
+    for name in ("fetch_nearest_cache", "insert_cache", "trim_to"):
+        ours, theirs = inspect.signature(getattr(StoreCache, name)), inspect.signature(getattr(LRUPromptCache, name))
+        assert [(p.name, p.kind) for p in ours.parameters.values()][1:] == [
+            (p.name, p.kind) for p in theirs.parameters.values()
+        ][1:], name
+    assert callable(StoreCache.__len__) and isinstance(StoreCache.nbytes, property)
+
+
+def test_the_classes_and_functions_the_server_builds_on_keep_their_signatures():
+    assert _params(mlx_server.ResponseGenerator.__init__) == ["self", "model_provider", "prompt_cache"]
+    assert _params(mlx_server.ResponseGenerator._tokenize) == ["self", "tokenizer", "request", "args"]
+    assert _params(mlx_server.ResponseGenerator.generate) == ["self", "request", "generation_args", "progress_callback"]
+    assert _params(mlx_server.ModelProvider.__init__) == ["self", "cli_args"]
+    assert _params(mlx_server.ModelProvider.load) == ["self", "model_path", "adapter_path", "draft_model_path"]
+    assert _params(mlx_server.ModelProvider._load) == ["self", "model_path", "adapter_path", "draft_model_path"]
+    assert _params(mlx_server.APIHandler.handle_completion) == ["self", "request", "stop_words"]
+    assert _params(mlx_server._run_http_server)[:5] == [
+        "host",
+        "port",
+        "response_generator",
+        "server_class",
+        "handler_class",
+    ]
+    fields = [f for f in mlx_server.CompletionRequest.__dataclass_fields__]
+    assert fields == ["request_type", "prompt", "messages", "tools", "role_mapping"]
+    for name in ("prompt", "prompt_cache_count"):
+        assert name in mlx_server.GenerationContext.__dataclass_fields__
+    for name in ("handle_models_request", "do_GET", "do_POST", "_set_completion_headers"):
+        assert callable(getattr(mlx_server.APIHandler, name))
+    assert isinstance(mlx_server.ResponseGenerator.is_healthy, property)
+
+
+def test_tokenize_reads_only_chat_template_kwargs_from_its_args():
+    """The HTTP thread measures prompts with mlx-lm's own _tokenize and a stand-in args."""
+    tree = ast.parse(inspect.getsource(mlx_server.ResponseGenerator._tokenize).lstrip())
+    read = {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "args"
+    }
+    assert read == {"chat_template_kwargs"}
+
+
+def test_the_prompt_from_tokenize_lives_in_the_generation_context():
+    """In-flight requests end when the list _tokenize returned is freed: both
+    paths keep it in the request's GenerationContext."""
+    for fn in (mlx_server.ResponseGenerator._generate, mlx_server.ResponseGenerator._serve_single):
+        src = inspect.getsource(fn)
+        assert "self._tokenize(" in src and "prompt=prompt," in src, fn.__name__
+        assert "self.prompt_cache.fetch_nearest_cache(" in src and "self.prompt_cache.insert_cache(" in src
+
+
+def test_every_mlx_lm_server_option_is_a_promptstore_serve_option():
+    theirs = {a.dest for a in mlx_lm_parser()._actions}
+    ours = build_parser()
+    assert theirs <= {a.dest for a in ours._actions}
+    assert {"model", "draft_model", "kv_bits", "prompt_cache_bytes", "prefill_step_size"} <= theirs
+    help_text = ours.format_help()
+    for flag in ("--model", "--draft-model", "--kv-bits", "--store", "--api-keys", "--model-id", "--durability"):
+        assert flag in help_text
+    args = ours.parse_args(["--model", "m", "--port", "9", "--hot-bytes", "1024", "--api-keys", "k.json"])
+    assert (args.model, args.port, args.store_hot_bytes, args.api_keys) == ("m", 9, "1024", "k.json")
+    assert mlx_server.argparse.ArgumentParser is __import__("argparse").ArgumentParser  # restored after capture

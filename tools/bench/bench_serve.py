@@ -1,0 +1,385 @@
+"""promptstore serve against mlx_lm.server on LMCache's multi-round QA workload.
+
+Several users, each with a shared system prompt, a context of its own and
+several rounds of question and answer over a growing history (synthetic
+text through a chat template), scaled to a 2-core CPU. Phases: fill (every
+round), restart (both servers stopped and started again), resume (each user's
+next round: the first request after the restart), then one more round.
+Users ask at once, except in the first round, where one user goes first.
+The servers answer the same requests in turn, round by round (the one that
+goes first alternates), so both see the same machine load.
+
+Prints a table; writes bench-results/serve.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from common import OPENBLAS_HINT, blas_info, blas_warning, write_results
+from openai import OpenAI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from promptstore.testing.model_dir import write_model_dir  # noqa: E402
+from promptstore.testing.tokenizer import CORPUS, demo_tokenizer  # noqa: E402
+
+# The demo's model: prefill dominates on CPU at these prompt lengths.
+MODEL = dict(
+    num_hidden_layers=4,
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    intermediate_size=512,
+)
+VOCAB = 1024
+QUESTIONS = [
+    "What does the passage above say about the harbour?",
+    "Summarise the last answer in one sentence.",
+    "Which book would you recommend to a beginner, and why?",
+    "What happens on the weekend in the town?",
+    "Can you explain the tides in simpler words?",
+    "What should a visitor see first?",
+]
+START_DEADLINE_S = 180.0
+REQUEST_TIMEOUT_S = 600.0
+
+
+def text_of(tokens: int, start: int) -> str:
+    """Corpus text of about `tokens` tokens, from paragraph `start` on."""
+    tok = demo_tokenizer(VOCAB)
+    paragraphs = [p for p in CORPUS.read_text().splitlines() if p.strip()]
+    words: list[str] = []
+    k = start
+    while len(tok.encode(" ".join(words))) < tokens:
+        words += paragraphs[k % len(paragraphs)].split()
+        k += 7
+    lo, hi = 1, len(words)
+    while lo < hi:  # the fewest words reaching `tokens`
+        mid = (lo + hi) // 2
+        if len(tok.encode(" ".join(words[:mid]))) >= tokens:
+            hi = mid
+        else:
+            lo = mid + 1
+    return " ".join(words[:lo])
+
+
+class Server:
+    """A server process on a free loopback port."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, log: Path):
+        self.name, self.cmd, self.env, self.log = name, cmd, env, log
+        self.proc = None
+        self.port = 0
+
+    def start(self) -> Server:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                [*self.cmd, "--host", "127.0.0.1", "--port", str(self.port)], stdout=log, stderr=log, env=self.env
+            )
+        deadline = time.monotonic() + START_DEADLINE_S
+        with httpx.Client(trust_env=False, timeout=5) as http:
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if http.get(f"http://127.0.0.1:{self.port}/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+            else:
+                self.kill()
+                raise RuntimeError(f"{self.name} did not start; see {self.log}")
+        self._warm_up()
+        return self
+
+    def _warm_up(self) -> None:
+        """One untimed request unrelated to the workload: first-call costs are not a cache's."""
+        ask(self.client(), [{"role": "user", "content": "Warm up."}], 4)
+
+    def client(self) -> OpenAI:
+        http = httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S)
+        return OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, http_client=http)
+
+    def written(self) -> int:
+        """Bytes this process has caused to be written to storage (Linux)."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/io").read_text().splitlines():
+                if line.startswith("write_bytes:"):
+                    return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return -9
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=60)
+
+
+def ask(client: OpenAI, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed greedy chat completion: TTFT, tokens, cached, reply."""
+    started = time.perf_counter()
+    ttft, text, usage = None, "", None
+    stream = client.chat.completions.create(
+        model="default_model",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.choices and ttft is None:
+            ttft = time.perf_counter() - started
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if chunk.usage is not None:
+            usage = chunk.usage
+    details = usage.prompt_tokens_details
+    return {
+        "ttft_s": ttft if ttft is not None else time.perf_counter() - started,
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": (details.cached_tokens if details else 0) or 0,
+        "completion_tokens": usage.completion_tokens,
+        "reply": text,
+    }
+
+
+class Contender:
+    """One server and its users' conversations."""
+
+    def __init__(self, server: Server, conversations: list[list[dict]]):
+        self.server = server
+        self.conversations = [list(c) for c in conversations]
+        self.results: list[dict] = []
+
+    def round(self, phase: str, turn: int, max_tokens: int) -> float:
+        """Every user's next question, at once; returns the wall time."""
+        client = self.server.client()
+        out: list[dict | None] = [None] * len(self.conversations)
+
+        def user(u: int) -> None:
+            before = previous_turn(self.conversations[u])
+            messages = self.conversations[u] + [{"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]}]
+            out[u] = dict(ask(client, messages, max_tokens), phase=phase, turn=turn, user=u)
+            if before is not None:  # the share of the previous reply (as rendered) this request restored
+                start, end = before
+                out[u]["previous_reply_restored"] = min(max((out[u]["cached_tokens"] - start) / (end - start), 0), 1)
+            self.conversations[u] = messages + [{"role": "assistant", "content": out[u]["reply"]}]
+
+        started = time.perf_counter()
+        # The first round opens with one user alone, so that every server holds the
+        # shared system prompt when the others arrive (as a server in use would),
+        # instead of whichever requests happened to arrive after the first's prefill.
+        waves = [[0], list(range(1, len(out)))] if turn == 0 else [list(range(len(out)))]
+        for wave in waves:
+            threads = [threading.Thread(target=user, args=(u,)) for u in wave]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=REQUEST_TIMEOUT_S)
+        wall = time.perf_counter() - started
+        if any(r is None for r in out):
+            raise RuntimeError(f"{self.server.name}: a request failed in {phase} turn {turn}")
+        for r in out:
+            r["round_wall_s"] = wall
+        self.results += out
+        return wall
+
+
+def previous_turn(conversation: list[dict]) -> tuple[int, int] | None:
+    """Where the last reply starts and ends in the next prompt's tokens, or None."""
+    if conversation[-1]["role"] != "assistant":
+        return None
+    tok = demo_tokenizer(VOCAB)
+    start = len(tok.apply_chat_template(conversation[:-1], add_generation_prompt=True))
+    return start, len(tok.apply_chat_template(conversation, add_generation_prompt=False))
+
+
+def summarize(results: list[dict], phase: str, walls: list[float]) -> dict:
+    rows = [r for r in results if r["phase"] == phase]
+    ttft = [r["ttft_s"] for r in rows]
+    turns = sorted({r["turn"] for r in rows})
+    return {
+        "requests": len(rows),
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p95_s": float(np.percentile(ttft, 95)),
+        "requests_per_s": len(rows) / sum(walls),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+        "prefill_tokens": sum(r["prompt_tokens"] - r["cached_tokens"] for r in rows),
+        "previous_reply_restored_per_turn": {
+            str(t): statistics.mean(r["previous_reply_restored"] for r in rows if r["turn"] == t)
+            for t in turns
+            if any("previous_reply_restored" in r for r in rows if r["turn"] == t)
+        },
+        "restored_share_per_turn": {
+            str(t): statistics.mean(r["cached_tokens"] / r["prompt_tokens"] for r in rows if r["turn"] == t)
+            for t in turns
+        },
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--users", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=4, help="rounds before the restart")
+    p.add_argument("--system-tokens", type=int, default=1024)
+    p.add_argument("--context-tokens", type=int, default=256, help="each user's own context")
+    p.add_argument("--answer-tokens", type=int, default=32)
+    p.add_argument("--out", default="bench-results/serve.json")
+    args = p.parse_args()
+
+    blas = blas_info()
+    if warning := blas_warning(blas):
+        print(warning, file=sys.stderr)
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    model = write_model_dir(work / "model", "llama", vocab_size=VOCAB, **MODEL)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if Path(OPENBLAS_HINT).exists():
+        env["LD_PRELOAD"] = OPENBLAS_HINT  # both servers: a fair float32 prefill
+    common = ["--model", str(model), "--prompt-cache-size", "100", "--max-tokens", str(args.answer_tokens)]
+    py = sys.executable
+    servers = {
+        "mlx_lm.server": Server("mlx_lm.server", [py, "-m", "mlx_lm", "server", *common], env, work / "mlx.log"),
+        "promptstore serve": Server(
+            "promptstore serve",
+            [py, "-m", "promptstore", "serve", *common, "--store", str(work / "store")],
+            env,
+            work / "ps.log",
+        ),
+        "promptstore serve (generated replies)": Server(
+            "promptstore serve (generated replies)",
+            [
+                py,
+                "-m",
+                "promptstore",
+                "serve",
+                *common,
+                "--store",
+                str(work / "store-gen"),
+                "--reply-tokens",
+                "generated",
+            ],
+            env,
+            work / "psg.log",
+        ),
+    }
+    system = text_of(args.system_tokens, 0)
+    conversations = [
+        [{"role": "system", "content": system + "\n\n" + text_of(args.context_tokens, 11 * (u + 1))}]
+        for u in range(args.users)
+    ]
+    contenders = {name: Contender(s.start(), conversations) for name, s in servers.items()}
+    walls: dict[str, dict[str, list[float]]] = {name: {} for name in contenders}
+    written: dict[str, dict[str, int]] = {name: {} for name in contenders}
+
+    def run_round(phase: str, turn: int, names: list[str]) -> None:
+        order = names if turn % 2 == 0 else names[::-1]  # who goes first alternates
+        for name in order:
+            wall = contenders[name].round(phase, turn, args.answer_tokens)
+            walls[name].setdefault(phase, []).append(wall)
+            print(f"  {phase} turn {turn}: {name} {wall:.2f} s", flush=True)
+
+    names = list(contenders)
+    start = {name: servers[name].written() for name in names}
+    for turn in range(args.rounds):
+        run_round("fill", turn, names)
+    time.sleep(2)  # write-through spills land
+    for name in names:
+        written[name]["fill"] = servers[name].written() - start[name]
+
+    # Restart: the generated-replies variant has shown its restored shares; stop it.
+    main_names = names[:2]
+    servers[names[2]].stop()
+    for name in main_names:
+        servers[name].stop()
+        servers[name].start()
+    run_round("resume", args.rounds, main_names)
+    run_round("after resume", args.rounds + 1, main_names)
+    for name in main_names:
+        written[name]["resume and after"] = servers[name].written()  # a new process: counted from its start
+        servers[name].stop()
+
+    store_bytes = sum(f.stat().st_size for f in (work / "store").rglob("*") if f.is_file())
+    report = {}
+    for name in names:
+        phases = ["fill"] + (["resume", "after resume"] if name in main_names else [])
+        report[name] = {ph: summarize(contenders[name].results, ph, walls[name][ph]) for ph in phases}
+        report[name]["bytes_written"] = written[name]
+    base, ours = contenders["mlx_lm.server"].results, contenders["promptstore serve"].results
+    same = sum(a["reply"] == b["reply"] for a, b in zip(base, ours))
+    payload = {
+        "workload": {**vars(args), "model": {**MODEL, "vocab_size": VOCAB, "dtype": "float32"}},
+        "server_ld_preload": Path(env.get("LD_PRELOAD", "")).name,
+        "results": report,
+        "replies_equal": f"{same}/{len(base)}",
+        "promptstore_store_bytes": store_bytes,
+        "requests": {name: c.results for name, c in contenders.items()},
+        "goals": goals(report),
+    }
+    out = write_results(args.out, payload, blas)
+    print_table(report, payload)
+    print(f"wrote {out}")
+    return 0
+
+
+def goals(report: dict) -> dict:
+    base, ours = report["mlx_lm.server"], report["promptstore serve"]
+    resume = base["resume"]["ttft_p50_s"] / ours["resume"]["ttft_p50_s"]
+    fill_ttft = ours["fill"]["ttft_p50_s"] / base["fill"]["ttft_p50_s"]
+    fill_rps = ours["fill"]["requests_per_s"] / base["fill"]["requests_per_s"]
+    return {
+        "after_restart_ttft_p50_speedup": resume,
+        "after_restart_goal_10x_met": resume >= 10,
+        "before_restart_ttft_p50_ratio": fill_ttft,
+        "before_restart_throughput_ratio": fill_rps,
+        "before_restart_goal_within_5pct_met": fill_ttft <= 1.05 and fill_rps >= 0.95,
+    }
+
+
+def print_table(report: dict, payload: dict) -> None:
+    print(
+        f"\n{'server':40} {'phase':13} {'TTFT p50':>9} {'p95':>8} {'req/s':>6} {'prefill':>8}  {'restored share per turn':24} previous reply restored"
+    )
+    for name, phases in report.items():
+        for phase, s in phases.items():
+            if phase == "bytes_written":
+                continue
+            shares = " ".join(f"{v:.2f}" for v in s["restored_share_per_turn"].values())
+            replies = " ".join(f"{v:.2f}" for v in s["previous_reply_restored_per_turn"].values())
+            print(
+                f"{name:40} {phase:13} {s['ttft_p50_s'] * 1e3:7.0f}ms {s['ttft_p95_s'] * 1e3:6.0f}ms "
+                f"{s['requests_per_s']:6.2f} {s['prefill_tokens']:8d}  {shares:24} {replies}"
+            )
+        print(f"{'':40} bytes written: {phases['bytes_written']}")
+    print(f"replies equal (mlx_lm.server vs promptstore serve): {payload['replies_equal']}")
+    for k, v in payload["goals"].items():
+        print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
