@@ -31,6 +31,7 @@ class HotEntry:
     pins: int = 0
     dirty: bool = True  # not yet on disk
     meta: dict = field(default_factory=dict)  # what the spiller needs (namespace, span)
+    restores: int = 0  # restores that ended at this node's end (its states were used)
 
 
 def wire(budget: int) -> int | None:
@@ -86,6 +87,7 @@ class HotTier:
                 0 if old is None else old.pins,
                 dirty,
                 meta or {},
+                0 if old is None else old.restores,
             )
             self.entries[key] = entry
             self.nbytes += nbytes

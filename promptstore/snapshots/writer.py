@@ -30,6 +30,7 @@ class SpillJob:
     start: int
     end: int
     snapshots: list[Snapshot]
+    present: list[bool] | None = None  # per layer, when the job holds less than the node's record says
     done: threading.Event = field(default_factory=threading.Event)
     ref: FileRef | None = None
     error: Exception | None = None

@@ -20,9 +20,16 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..caches import Snapshot
+from ..caches import Snapshot, drop_states, present_layers
 from ..config import Settings
-from ..errors import ColdFileError, CorruptRecordError, NodeHasChildrenError, NodeNotFoundError, StaleInsertError
+from ..errors import (
+    ColdFileError,
+    CorruptRecordError,
+    NodeHasChildrenError,
+    NodeNotFoundError,
+    PromptStoreError,
+    StaleInsertError,
+)
 from ..index import Index, Node
 from ..snapshots import ColdTier, HotTier, SpillJob, Writer
 from ..snapshots.cold import PendingLoad
@@ -67,6 +74,7 @@ class Tiers:
         self.stranded: dict[bytes, SpillJob] = {}  # could not be written: kept in memory
         self.reports: deque[Report] = deque(maxlen=1000)
         self.counts: Counter = Counter()
+        self.branch_states: set[bytes] = set()  # nodes whose states a split made (see keep_states)
         self.lock = threading.RLock()
 
     # --- placing ------------------------------------------------------------------
@@ -83,15 +91,51 @@ class Tiers:
             self._submit(self._job(node.key, snapshots, meta))
         for entry in evicted:
             if entry.dirty and not (entry.key == node.key and mode != "write_back"):
-                self._submit(self._job(entry.key, entry.snapshots, entry.meta))
+                self._submit(self._spill_job(entry))
 
     def forget(self, key: bytes) -> None:
         """Drop a node's in-memory snapshots (its span changed or it was removed)."""
         self.hot.pop(key)
+        with self.lock:
+            self.branch_states.discard(key)
 
     @staticmethod
     def _job(key, snapshots, meta) -> SpillJob:
         return SpillJob(key, meta["namespace"], meta["start"], meta["end"], snapshots)
+
+    def _spill_job(self, entry) -> SpillJob:
+        """A node leaving memory. Its recurrent states are dropped when no restore
+        has used them and the node is neither a leaf nor a branch point: a
+        checkpoint no later prompt used is worth little (a prefill that passes
+        it again stores it again)."""
+        job = self._job(entry.key, entry.snapshots, entry.meta)
+        with self.lock:
+            at_branch = entry.key in self.branch_states
+            self.branch_states.discard(entry.key)
+        if entry.restores or at_branch or len(self.index.children(entry.key)) != 1:
+            return job
+        kept, dropped = drop_states(entry.snapshots)
+        if dropped:
+            job.snapshots, job.present = kept, present_layers(kept)
+            self.counts["checkpoints_dropped"] += 1
+            try:
+                ns = self.index.namespace(job.namespace)
+                self.index.bump(ns, checkpoints_dropped=1, checkpoint_bytes_dropped=dropped)
+            except PromptStoreError:
+                pass  # counters are advisory
+        return job
+
+    def keep_states(self, key: bytes) -> None:
+        """The node ends where prompts diverge: keep its states whatever its children."""
+        with self.lock:
+            self.branch_states.add(key)
+
+    def restored_from(self, key: bytes) -> None:
+        """A restore ended at this node's end: its states are worth keeping."""
+        with self.hot.lock:
+            entry = self.hot.entries.get(key)
+            if entry is not None:
+                entry.restores += 1
 
     def _submit(self, job: SpillJob) -> None:
         with self.lock:
@@ -181,7 +225,7 @@ class Tiers:
             node.key, snapshots, prefill_seconds=node.record.prefill_seconds, dirty=False, meta=meta
         ):
             if entry.dirty:
-                self._submit(self._job(entry.key, entry.snapshots, entry.meta))
+                self._submit(self._spill_job(entry))
         return snapshots
 
     def _bad_file(self, node: Node, error: ColdFileError) -> None:
@@ -221,6 +265,9 @@ class Tiers:
             record = node.record.model_copy(
                 update={"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": tier}
             )
+            if job.present is not None:  # the file holds less than the node did in memory
+                layers = [r.model_copy(update={"present": p}) for r, p in zip(record.layers, job.present)]
+                record = record.model_copy(update={"layers": layers})
             span = (job.namespace, job.start, job.end)
             self.index.update_record(
                 job.key, record, expect=lambda n: (n.namespace, n.start, n.end) == span and n.record.file == old
@@ -256,7 +303,7 @@ class Tiers:
     def spill_all(self) -> None:
         """Put every node that is only in memory on disk (close, whatever the durability)."""
         for entry in self.hot.dirty_entries():
-            self._submit(self._job(entry.key, entry.snapshots, entry.meta))
+            self._submit(self._spill_job(entry))
         self.flush()
 
     def cold_bytes(self) -> int:
