@@ -1184,6 +1184,22 @@ def goals(workloads: dict[str, dict]) -> list[dict]:
     return out
 
 
+def probe_divergences(contenders: list[Contender], script: ChatScript, profile: Profile, n: int = 64) -> dict:
+    """Prompts that leave a stored one at a random position (nothing is prefilled or
+    stored): where promptstore hot restores them, against where they diverge."""
+    store = next(c for c in contenders if c.name == "promptstore hot")
+    rng = np.random.default_rng(11)
+    outs = []
+    for _ in range(n):
+        c = int(rng.integers(script.conversations))
+        prompt = script.prompt(c, script.turns - 1, script.replies)
+        at = int(rng.integers(1, len(prompt) - 1))
+        tokens = prompt[:at] + _content(rng, 8, profile.vocab)
+        hit = store.space.fetch(tokens)
+        outs.append({"matched": hit.matched, "restored": hit.length, "prompt_tokens": len(tokens)})
+    return restore_points(outs, profile.prefill_step)
+
+
 def hybrid_goals(add, wname: str, s: dict, chat: dict | None) -> None:
     hot, files = _row(s, "promptstore hot"), _row(s, "mlx-lm cache files")
     points = s.get("restore_points") or {}
@@ -1212,6 +1228,12 @@ def hybrid_goals(add, wname: str, s: dict, chat: dict | None) -> None:
             f"{r:.2f}x",
             f"{_bytes(hot['disk_bytes'])} vs {_bytes(files['disk_bytes'])}",
         )
+    probes = s.get("divergence_probes")
+    if probes:  # counted over the chat's requests and the probes together
+        points = dict(points)
+        for k in ("requests", "at_divergence", "within_step"):
+            points[k] += probes[k]
+        points["gap_max"] = max(points["gap_max"] or 0, probes["gap_max"] or 0)
     if points:
         share = points["within_step"] / points["requests"] if points["requests"] else None
         add(
@@ -1220,8 +1242,8 @@ def hybrid_goals(add, wname: str, s: dict, chat: dict | None) -> None:
             share,
             share == 1.0,
             "n/a" if share is None else f"{share:.0%}",
-            f"{points['at_divergence']} of {points['requests']} at the divergence itself; gap p50 "
-            f"{points['gap_p50']:.0f}, p95 {points['gap_p95']:.0f}, max {points['gap_max']:.0f} tokens",
+            f"{points['at_divergence']} of {points['requests']} at the divergence itself (chat requests and "
+            f"random divergence probes); max gap {points['gap_max']:.0f} tokens",
         )
 
 
@@ -1321,15 +1343,19 @@ def report(doc: dict) -> str:
     for name, s in doc["workloads"].items():
         parts.append(f"\n#### {TITLES.get(name, name)}\n\n{s['model']}; {s['requests_note']}.\n\n{workload_table(s)}")
         if s.get("restore_points"):
-            parts.append(restore_points_text(s["restore_points"]))
+            parts.append(restore_points_text(s["restore_points"], "the chat's requests"))
+        if s.get("divergence_probes"):
+            parts.append(
+                restore_points_text(s["divergence_probes"], "prompts leaving a stored one at random positions")
+            )
     parts.append(f"\n#### Goals\n\n{goals_table(doc['goals'])}")
     return "\n".join(parts)
 
 
-def restore_points_text(p: dict) -> str:
+def restore_points_text(p: dict, what: str) -> str:
     hist = ", ".join(f"{k}: {v}" for k, v in p["histogram"].items())
     return (
-        f"\nWhere promptstore hot restored, in tokens before the point where each prompt diverges from what "
+        f"\nWhere promptstore hot restored {what}, in tokens before the point where each diverges from what "
         f"the store holds (what an attention-only model restores: a {p['attention_only_cut']:.1%} cut on these "
         f"requests): {p['at_divergence']} of {p['requests']} requests at that point, {p['within_step']} within one "
         f"prefill step ({p['prefill_step']}); gap p50 {p['gap_p50']:.0f}, p95 {p['gap_p95']:.0f}, max "
@@ -1540,7 +1566,13 @@ def main(argv=None) -> int:
                     name=f"hybrid-{family}",
                     seed=1,
                 )
-                s = run_chat_like(script, hengine, hid, hdesc, tmp / family, profile)
+                root = tmp / family
+                contenders, results, reference, t0 = run_chat_like(
+                    script, hengine, hid, hdesc, root, profile, keep_open=True
+                )
+                probes = probe_divergences(contenders, script, profile)
+                s = finish_workload(script.name, hdesc, contenders, results, reference, root, profile, t0)
+                s["divergence_probes"] = probes
                 s["same_prompts_as_chat"] = (profile.hybrid_conversations, profile.hybrid_turns) == (
                     profile.conversations,
                     profile.turns,
