@@ -115,3 +115,22 @@ def test_a_window_model_restores_at_every_divergence(tmp_path):
         insert_following_checkpoints(space, model, A)
         for at in range(1, len(A)):
             assert space.fetch(diverging(at, seed=100 + at, n=2)).length == shared(A, diverging(at, 100 + at, 2))
+
+
+def test_a_split_takes_the_window_the_inserting_prompt_still_holds(tmp_path):
+    """A long node stored from a cache that had dropped its first positions holds
+    only its tail; when a second prompt splits it early, the upper node's window
+    comes from that prompt's cache, so the branch point becomes a restore point."""
+    model = _model("gemma3_text")  # window of 16
+    with store(tmp_path, durability="sync") as s:
+        space = s.bind(model, model_id="m")
+        cache = fresh_cache(model)
+        forward(model, cache, A[:30])
+        forward(model, cache, A[30:])  # the window now holds [13, 44): the node keeps no more
+        space.insert(A, cache)
+        b = diverging(20, seed=71)
+        hit = space.fetch(b)
+        assert hit.length == 0  # [4, 20) is stored nowhere yet
+        forward(model, hit.cache, b)
+        space.insert(b, hit.cache)  # its cache holds all of b: the split upper [0, 20) gets them
+        assert check(space, model, diverging(20, seed=72), 20, "gemma3_text") == 20
