@@ -15,7 +15,7 @@ from typing import ClassVar
 from mlx_lm.models import cache as mlx_cache
 
 from ..errors import SnapshotFormatError, SnapshotKindError, SnapshotRangeError
-from . import rotating
+from . import window
 from .base import SnapshotChain, SnapshotProtocol, as_chain, as_position, check_consecutive, check_snapshot_layout
 from .registry import adopt, from_mlx_lm_state, kind_class, register
 from .snapshot import Snapshot
@@ -45,7 +45,7 @@ def _merged_child(chain: list[Snapshot], i: int, kind: str) -> Snapshot | None:
     merged = cls.merge_chain(pieces)
     if merged.start > start:  # a window child whose older pieces are absent
         layout = {k: merged.scalars[k] for k in ("max_size", "keep")}
-        merged = rotating.build(layout, start, merged.end, rotating.sources(merged))
+        merged = window.build(layout, start, merged.end, window.sources(merged))
     return merged
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import rotating
+from . import window
 from .registry import kind_class
 from .snapshot import Snapshot
 
@@ -83,10 +83,10 @@ def join_nodes(upper: NodeSnapshots, lower: NodeSnapshots, start: int) -> list |
     return layers
 
 
-def _from(window: Snapshot, start: int) -> Snapshot:
+def _from(snapshot: Snapshot, start: int) -> Snapshot:
     """A window snapshot as spanning from `start` (it holds nothing before its own start)."""
-    layout = {k: window.scalars[k] for k in ("max_size", "keep")}
-    return rotating.build(layout, start, window.end, rotating.sources(window))
+    layout = {k: snapshot.scalars[k] for k in ("max_size", "keep")}
+    return window.build(layout, start, snapshot.end, window.sources(snapshot))
 
 
 def _window_tails(snapshot: Snapshot) -> Snapshot:
@@ -94,7 +94,7 @@ def _window_tails(snapshot: Snapshot) -> Snapshot:
         s = snapshot
         children = tuple(None if c is None else _window_tails(c) for c in s.children)
         return Snapshot(s.kind, s.start, s.end, s.whole, {}, dict(s.scalars), children)
-    return rotating.window_tail(snapshot) if role_of(snapshot) == "window" else snapshot
+    return window.window_tail(snapshot) if role_of(snapshot) == "window" else snapshot
 
 
 def drop_states(snapshots: NodeSnapshots) -> tuple[list, int]:
@@ -145,8 +145,8 @@ def _richer(upper: Snapshot | None, cache, start: int, at: int) -> Snapshot | No
     return live if _held(live) > _held(upper) else upper
 
 
-def _held(window: Snapshot | None) -> int:
-    return 0 if window is None else sum(hi - lo for lo, hi, *_ in rotating.sources(window))
+def _held(snapshot: Snapshot | None) -> int:
+    return 0 if snapshot is None else sum(hi - lo for lo, hi, *_ in window.sources(snapshot))
 
 
 def restore_chains(path: Sequence[NodeSnapshots], end: int, target: int | None = None) -> list | None:

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from promptstore import caches as C
-from promptstore.caches.rotating import window_tail
 from promptstore.caches.serialize import from_flat, to_flat
+from promptstore.caches.window import window_tail
 
 from .drivers import RotatingDriver, same
 
