@@ -41,7 +41,12 @@ class Settings(BaseModel):
         description="write_back: spill on eviction and close; write_through: queue every insert for disk; "
         "sync: insert returns once the node is on disk",
     )
-    checkpoint_interval: int = Field(1024, ge=1, description="grid of whole-state checkpoints while prefilling")
+    checkpoint_interval: int | None = Field(
+        None,
+        ge=1,
+        description="grid of checkpoints while prefilling, for models with window or recurrent layers "
+        "(default: prefill_step, a state at every prefill chunk boundary)",
+    )
     prefill_step: int = Field(512, ge=1, description="tokens per forward while prefilling")
     writer_queue: int = Field(64, ge=1, description="spill jobs queued before inserts wait")
     fsync: bool = Field(True, description="fsync files and directories before publishing them")

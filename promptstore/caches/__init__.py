@@ -10,7 +10,17 @@ from .batch import BatchKVCache, BatchRotatingKVCache
 from .cache_list import CacheList
 from .kv import ChunkedKVCache, KVCache, QuantizedKVCache
 from .mlx_lm_files import load_mlx_lm_prompt_cache, save_mlx_lm_prompt_cache
-from .node import join_nodes, node_nbytes, present_layers, restore_chains, split_for_edge, split_node
+from .node import (
+    drop_states,
+    join_nodes,
+    node_nbytes,
+    present_layers,
+    restore_chains,
+    richer_windows,
+    split_for_edge,
+    split_node,
+    state_nbytes,
+)
 from .prompt import (
     adopt_prompt_cache,
     layer_description,
@@ -61,6 +71,7 @@ __all__ = [
     "adopt_prompt_cache",
     "arrays_equal",
     "begin_speculation",
+    "drop_states",
     "from_flat",
     "join_nodes",
     "kind_class",
@@ -76,11 +87,13 @@ __all__ = [
     "prompt_position",
     "restore_chains",
     "restore_prompt_cache",
+    "richer_windows",
     "save_mlx_lm_prompt_cache",
     "snapshot_prompt_cache",
     "split_for_edge",
     "split_node",
     "split_prompt_snapshots",
     "split_snapshot",
+    "state_nbytes",
     "to_flat",
 ]

@@ -42,6 +42,9 @@ class SnapshotProtocol:
 
     kind: closed-registry name, written into serialized snapshots.
     whole_state: snapshots hold the whole state at their end (not a range).
+    role: how the kind restores: "range" (anywhere its positions are stored),
+        "window" (where the positions its window needs are stored) or "state"
+        (only where its state was stored).
     token_axis: the axis of state arrays that grows with tokens (None: none does).
 
     Callers use `layout`, `snapshot`, `signature`, `restore` (or `plan_restore`
@@ -52,6 +55,7 @@ class SnapshotProtocol:
 
     kind: ClassVar[str]
     whole_state: ClassVar[bool] = False
+    role: ClassVar[str] = "range"
     token_axis: ClassVar[int | None] = None
 
     @property
@@ -170,5 +174,5 @@ def check_consecutive(parent: Snapshot, child: Snapshot) -> None:
 
 
 def _layout_of(snapshot: Snapshot) -> dict:
-    # data_start is a cursor, not a layout setting.
-    return {k: v for k, v in snapshot.scalars.items() if k != "data_start"}
+    # data_start and head say which positions a snapshot holds, not its layout.
+    return {k: v for k, v in snapshot.scalars.items() if k not in ("data_start", "head")}

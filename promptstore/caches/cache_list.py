@@ -15,17 +15,38 @@ from typing import ClassVar
 from mlx_lm.models import cache as mlx_cache
 
 from ..errors import SnapshotFormatError, SnapshotKindError, SnapshotRangeError
+from . import window
 from .base import SnapshotChain, SnapshotProtocol, as_chain, as_position, check_consecutive, check_snapshot_layout
 from .registry import adopt, from_mlx_lm_state, kind_class, register
 from .snapshot import Snapshot
 
 
-def _child_chain(chain: list[Snapshot], i: int, whole: bool) -> list[Snapshot] | None:
-    """Child i's chain: every range piece, or a whole-state child's last state (None if absent)."""
-    if whole:
-        last = chain[-1].children[i]
-        return None if last is None else [last]
-    return [s.children[i] for s in chain]
+def _child_chain(chain: list[Snapshot], i: int, role: str) -> list[Snapshot] | None:
+    """Child i's chain: every range piece, a state child's last state, a window
+    child's pieces after the last absent one; None where nothing restores."""
+    children = [s.children[i] for s in chain]
+    if role == "state":
+        return None if children[-1] is None else children[-1:]
+    if role == "window":
+        # A list of the first format may lack its window child (a split cut it).
+        cut = max((j for j, c in enumerate(children) if c is None), default=-1)
+        return children[cut + 1 :] or None
+    return children
+
+
+def _merged_child(chain: list[Snapshot], i: int, kind: str) -> Snapshot | None:
+    cls = kind_class(kind)
+    start = chain[0].start
+    if cls.role == "state":
+        return _respan(chain[-1].children[i], start)
+    pieces = _child_chain(chain, i, cls.role)
+    if pieces is None:
+        return None
+    merged = cls.merge_chain(pieces)
+    if merged.start > start:  # a window child whose older pieces are absent
+        layout = {k: merged.scalars[k] for k in ("max_size", "keep")}
+        merged = window.build(layout, start, merged.end, window.sources(merged))
+    return merged
 
 
 def _respan(child: Snapshot | None, start: int) -> Snapshot | None:
@@ -51,6 +72,12 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
     @property
     def whole(self) -> bool:
         return any(c.whole_state for c in self.caches)
+
+    @property
+    def role(self) -> str:
+        """A list restores where every cache in it can (see SnapshotProtocol.role)."""
+        roles = {c.role for c in self.caches}
+        return next(r for r in ("state", "window", "range") if r in roles)
 
     def layout(self) -> dict:
         return {"kinds": [c.kind for c in self.caches]}
@@ -83,7 +110,7 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
             for s in chain:
                 check_snapshot_layout(self, s)
                 type(self).validate_snapshot(s)
-            chains = [_child_chain(chain, i, c.whole_state) for i, c in enumerate(self.caches)]
+            chains = [_child_chain(chain, i, c.role) for i, c in enumerate(self.caches)]
             if any(sub is None for sub in chains):
                 return None  # a recurrent sub-cache has no state at the chain's end
         plans = []
@@ -108,12 +135,7 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
         for s in chain:
             cls.validate_snapshot(s)
         last = chain[-1]
-        children = tuple(
-            _respan(last.children[i], chain[0].start)
-            if kind_class(kind).whole_state
-            else kind_class(kind).merge_chain([s.children[i] for s in chain])
-            for i, kind in enumerate(chain[0].scalars["kinds"])
-        )
+        children = tuple(_merged_child(chain, i, kind) for i, kind in enumerate(chain[0].scalars["kinds"]))
         return Snapshot(cls.kind, chain[0].start, last.end, last.whole, {}, dict(last.scalars), children)
 
     @classmethod
@@ -145,8 +167,8 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
                 f"and {len(snapshot.children)} children"
             )
         for kind, child in zip(kinds, snapshot.children):
-            if child is None and kind_class(kind).whole_state:
-                continue  # no state at `end` for this recurrent sub-cache
+            if child is None and kind_class(kind).role != "range":
+                continue  # no state at `end` for this recurrent sub-cache (or a first-format window)
             if child is None:
                 raise SnapshotFormatError(f"a cache-list snapshot lacks its {kind!r} range child")
             if child.kind != kind or (child.start, child.end) != (snapshot.start, snapshot.end):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from . import window
 from .registry import kind_class
 from .snapshot import Snapshot
 
@@ -53,28 +54,106 @@ def split_node(snapshots: NodeSnapshots, at: int) -> tuple[list, list]:
     return [u for u, _ in halves], [lo for _, lo in halves]
 
 
+def role_of(snapshot: Snapshot) -> str:
+    """How the layer a snapshot belongs to restores (SnapshotProtocol.role)."""
+    if not snapshot.children:
+        return kind_class(snapshot.kind).role
+    roles = {kind_class(k).role for k in snapshot.scalars.get("kinds", ())}
+    return next(r for r in ("state", "window", "range") if r in roles)
+
+
 def join_nodes(upper: NodeSnapshots, lower: NodeSnapshots, start: int) -> list | None:
     """The snapshots of a node [start, b) joined with its only child [b, c), per
-    layer; None when the join would lose a range layer's positions."""
+    layer; None when the join would lose a range layer's positions. Window layers
+    keep what a window at c or later can use (their positions before that are
+    read only by restores inside the joined span, which compact gives up)."""
     layers = []
     for u, lo in zip(upper, lower):
         if lo is None:
-            if u is not None and not u.whole:
+            if u is not None and role_of(u) == "range":
                 return None  # a range layer would lose [start, b)
             layers.append(None)  # no state at the child's end: none for the joined node
-        elif lo.children or not lo.whole:
-            if u is None:
+        elif lo.children or role_of(lo) != "state":
+            if u is None and role_of(lo) != "window":
                 return None  # the range (or a cache list's range children) over the node is not here
-            layers.append(kind_class(lo.kind).merge_chain([u, lo]))
-        else:  # a whole-state layer: its state at the child's end is the joined node's
+            joined = kind_class(lo.kind).merge_chain([u, lo]) if u is not None else _from(lo, start)
+            layers.append(_window_tails(joined))
+        else:  # a state layer: its state at the child's end is the joined node's
             layers.append(respan(lo, start))
     return layers
 
 
-def restore_chains(path: Sequence[NodeSnapshots], end: int) -> list | None:
+def _from(snapshot: Snapshot, start: int) -> Snapshot:
+    """A window snapshot as spanning from `start` (it holds nothing before its own start)."""
+    layout = {k: snapshot.scalars[k] for k in ("max_size", "keep")}
+    return window.build(layout, start, snapshot.end, window.sources(snapshot))
+
+
+def _window_tails(snapshot: Snapshot) -> Snapshot:
+    if snapshot.children:
+        s = snapshot
+        children = tuple(None if c is None else _window_tails(c) for c in s.children)
+        return Snapshot(s.kind, s.start, s.end, s.whole, {}, dict(s.scalars), children)
+    return window.window_tail(snapshot) if role_of(snapshot) == "window" else snapshot
+
+
+def drop_states(snapshots: NodeSnapshots) -> tuple[list, int]:
+    """The node without its recurrent states (a cache list keeps its other
+    caches' positions, which later nodes build on), and the bytes dropped."""
+    out, dropped = [], 0
+    for s in snapshots:
+        kept = _without_state(s)
+        dropped += (0 if s is None else s.nbytes) - (0 if kept is None else kept.nbytes)
+        out.append(kept)
+    return out, dropped
+
+
+def _without_state(s: Snapshot | None) -> Snapshot | None:
+    if s is None or not s.children:
+        return None if s is None or role_of(s) == "state" else s
+    children = tuple(_without_state(c) for c in s.children)
+    return Snapshot(s.kind, s.start, s.end, s.whole, {}, dict(s.scalars), children)
+
+
+def state_nbytes(snapshots: NodeSnapshots) -> int:
+    """Bytes of the node's recurrent states (what a checkpoint costs)."""
+    return sum(0 if s is None else s.nbytes for s in snapshots) - sum(
+        0 if s is None else s.nbytes for s in drop_states(snapshots)[0]
+    )
+
+
+def richer_windows(uppers: NodeSnapshots, caches: Sequence, start: int, at: int) -> list:
+    """A split's upper snapshots [start, at), each window part holding what the
+    stored node held there or what the inserting caches' windows still hold of
+    it, whichever is more (so a branch point inside a long node becomes a
+    restore point for window layers when the second prompt is inserted)."""
+    return [_richer(u, c, start, at) for u, c in zip(uppers, caches)]
+
+
+def _richer(upper: Snapshot | None, cache, start: int, at: int) -> Snapshot | None:
+    if cache.role == "range" or cache.position < at:
+        return upper
+    if getattr(cache, "caches", None) is not None:  # a cache list: each of its caches
+        if upper is None:
+            return None
+        children = tuple(_richer(u, c, start, at) for u, c in zip(upper.children, cache.caches))
+        u = upper
+        return Snapshot(u.kind, u.start, u.end, u.whole, {}, dict(u.scalars), children)
+    if cache.role != "window":
+        return upper
+    live = kind_class(cache.kind).split_snapshot(cache.snapshot(start), at)[0]
+    return live if _held(live) > _held(upper) else upper
+
+
+def _held(snapshot: Snapshot | None) -> int:
+    return 0 if snapshot is None else sum(hi - lo for lo, hi, *_ in window.sources(snapshot))
+
+
+def restore_chains(path: Sequence[NodeSnapshots], end: int, target: int | None = None) -> list | None:
     """Per layer, the consecutive snapshots of `path` (nodes from the root down)
-    that a restore to a position in the last node reads; None when a layer has
-    none ending at `end`, the last node's end."""
+    that a restore to `target` (default `end`, the last node's end) reads; None
+    when a layer has none ending at `end`."""
+    target = end if target is None else target
     chains = []
     for layer in range(len(path[-1]) if path else 0):
         chain: list[Snapshot] = []
@@ -83,12 +162,24 @@ def restore_chains(path: Sequence[NodeSnapshots], end: int) -> list | None:
             if s is None:
                 break
             chain.insert(0, s)
-            if s.whole and not s.children:
-                break  # the state at the end is all a whole-state layer needs
+            if _enough(s, target):
+                break
         if not chain or chain[-1].end != end:
             return None
         chains.append(chain)
     return chains
+
+
+def _enough(s: Snapshot, target: int) -> bool:
+    """Whether a restore to `target` needs nothing older than `s`."""
+    if s.children:
+        return False
+    if s.whole:
+        return True  # the state at its end (a first-format window included)
+    if role_of(s) == "window":
+        max_size, keep = s.scalars["max_size"], s.scalars["keep"]
+        return s.start <= (0 if keep else max(0, target - max_size))
+    return False
 
 
 def present_layers(snapshots: NodeSnapshots) -> list[bool]:

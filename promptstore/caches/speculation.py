@@ -26,8 +26,10 @@ class Speculation:
     def __init__(self, caches: Sequence[Any]):
         self.caches = list(caches)
         self.start = prompt_position(self.caches)
-        # Whole-state layers are copied now; range layers just rewind later.
-        self._saved = [c.snapshot(self.start) if _whole(c) else None for c in self.caches]
+        # Range layers just rewind later; the others are copied now: recurrent
+        # state as it is, a window with the positions it holds (a draft may push
+        # some of them out).
+        self._saved = [_saved(c, self.start) for c in self.caches]
         self.done = False
 
     def commit(
@@ -65,8 +67,14 @@ class Speculation:
         self.commit(0)
 
 
-def _whole(cache) -> bool:
-    return cache.whole_state or getattr(cache, "whole", False)
+def _saved(cache, start: int):
+    if cache.role == "range":
+        return None
+    return cache.snapshot(0 if _has_window(cache) else start)
+
+
+def _has_window(cache) -> bool:
+    return cache.role == "window" or any(c.role == "window" for c in getattr(cache, "caches", ()))
 
 
 def begin_speculation(caches: Sequence[Any]) -> Speculation:

@@ -27,6 +27,7 @@ class WholeStateKind(SnapshotProtocol):
     """Shared protocol for kinds whose snapshot is the whole state at `end`."""
 
     whole_state: ClassVar[bool] = True
+    role: ClassVar[str] = "state"
 
     @classmethod
     def _reachable(cls, snapshot: Snapshot, target: int) -> bool:

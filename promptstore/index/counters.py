@@ -1,7 +1,7 @@
 """Per-namespace counters that persist: hits, misses, tokens served and stored, totals.
 
 Insert, remove and update_record keep nodes, nbytes and tokens_stored; callers
-bump hits, misses and tokens_served.
+bump hits, misses, tokens_served and the checkpoint counters.
 """
 
 from __future__ import annotations
@@ -12,7 +12,21 @@ import lmdb
 
 from .env import Dbs
 
-NAMES = ("hits", "misses", "tokens_served", "tokens_stored", "nodes", "nbytes")
+NAMES = (
+    "hits",
+    "misses",
+    "tokens_served",
+    "tokens_stored",
+    "nodes",
+    "nbytes",
+    # Checkpoints (recurrent states at prefill-grid positions): what they cost and save.
+    "checkpoints",
+    "checkpoint_bytes",
+    "checkpoints_dropped",
+    "checkpoint_bytes_dropped",
+    "checkpoint_hits",
+    "checkpoint_tokens",
+)
 _VALUE = struct.Struct("<q")
 
 

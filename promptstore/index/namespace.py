@@ -28,8 +28,18 @@ LayerKind = Literal[
     "batch_rotating",
 ]
 
-# Kinds whose snapshot is the whole state at an offset, so they restore only where one was taken.
+# Kinds whose snapshots were, in the first format, the whole state at an offset. This
+# is the layout's `whole_state`, part of every fingerprint and node record, so it
+# keeps its meaning; how a layer restores is its role (below).
 WHOLE_STATE_KINDS = frozenset({"rotating", "arrays", "batch_rotating"})
+
+# How a layer of each kind restores, which the trie needs to know (without MLX):
+# range layers anywhere their positions are stored on the whole path; state layers
+# (recurrent) only at the end of a node that holds their state; window layers
+# (sliding window, stored as ranges) wherever the last window's positions are
+# stored, which the trie does not track: the store checks it when it restores.
+STATE_KINDS = frozenset({"arrays", "batch_rotating"})
+WINDOW_KINDS = frozenset({"rotating"})
 
 # Bumped only if the canonical encoding changes; old fingerprints then stop matching.
 _FINGERPRINT_VERSION = 1
@@ -92,6 +102,12 @@ def _whole_state_of(kind: Any, children: list[Any]) -> bool:
 def tenant_digest(salt: str, key: bytes) -> str:
     """The keyed, slow digest of a tenant's salt that a namespace holds (hex, 32 digits)."""
     return hashlib.scrypt(salt.encode(), salt=key, **_SCRYPT).hex()
+
+
+def _role(layer: LayerSpec) -> str:
+    if layer.kind in STATE_KINDS or any(_role(c) == "state" for c in layer.children):
+        return "state"  # a cache list restores only where every one of its caches can
+    return "window" if layer.kind in WINDOW_KINDS else "range"
 
 
 class NamespaceSpec(BaseModel):
@@ -168,8 +184,24 @@ class Namespace:
         return sum(1 << i for i, w in enumerate(self.whole) if w)
 
     @cached_property
+    def roles(self) -> tuple[str, ...]:
+        """Per layer: "range", "state" or "window" (see STATE_KINDS in this module)."""
+        return tuple(_role(layer) for layer in self.spec.layers)
+
+    @cached_property
     def range_mask(self) -> int:
-        return sum(1 << i for i, w in enumerate(self.whole) if not w)
+        return self._mask("range")
+
+    @cached_property
+    def state_mask(self) -> int:
+        return self._mask("state")
+
+    @cached_property
+    def window_mask(self) -> int:
+        return self._mask("window")
+
+    def _mask(self, role: str) -> int:
+        return sum(1 << i for i, r in enumerate(self.roles) if r == role)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Namespace) and other.key == self.key

@@ -40,8 +40,9 @@ class Match:
     matched: leading tokens found in the trie.
     restorable: deepest position <= matched that every layer can restore to.
     restorable_depth: index in path of the node with start < restorable <= end (-1 at 0).
-    checkpoints: positions in (restorable, matched] where a whole-state snapshot taken
-        while prefilling would make later requests that diverge there restorable.
+    checkpoints: positions in (restorable, matched] where snapshots taken while
+        prefilling would make later requests that diverge there restorable (state
+        layers' state at a node end; a branch point inside the last node).
     corrupt: keys of nodes that failed to decode or verify (the walk stopped there).
     """
 
@@ -223,28 +224,30 @@ def _match(ns: Namespace, path: list[Node], matched: int, corrupt: list[bytes]) 
 
 def _restorable(ns: Namespace, path: list[Node], matched: int) -> int:
     # Range layers reach any position up to the first node that lacks one of them;
-    # whole-state layers only the end of a node that holds all of them.
+    # state layers only the end of a node that holds all of them. Window layers are
+    # taken to reach wherever the others do: the store, which sees their positions,
+    # restores at the deepest node end before this where they do.
     limit = matched
     for node in path:
         if ns.range_mask & ~node.present:
             limit = min(limit, node.start)
             break
-    if not ns.whole_mask:
+    if not ns.state_mask:
         return limit
     best = 0
     for node in path:
         if node.end > limit:
             break
-        if node.present & ns.whole_mask == ns.whole_mask:
+        if node.present & ns.state_mask == ns.state_mask:
             best = node.end
     return best
 
 
 def _checkpoints(ns: Namespace, path: list[Node], matched: int, restorable: int) -> tuple[int, ...]:
-    if not ns.whole_mask or not path:
+    if not (ns.state_mask or ns.window_mask) or not path:
         return ()
     ends = [
-        node.end for node in path if restorable < node.end <= matched and node.present & ns.whole_mask != ns.whole_mask
+        node.end for node in path if restorable < node.end <= matched and node.present & ns.state_mask != ns.state_mask
     ]
     if path[-1].start < matched < path[-1].end:
         ends.append(matched)  # the insert will split here, making a branch point

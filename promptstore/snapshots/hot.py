@@ -37,6 +37,7 @@ class HotEntry:
     dirty: bool = True  # not yet on disk
     node: NodeId | None = None  # the node (and span) the snapshots were made for
     group: Hashable = None  # whose budget it counts against
+    restores: int = 0  # restores that ended at this node's end (its states were used)
 
 
 def wire(budget: int) -> int | None:
@@ -94,6 +95,7 @@ class HotTier:
                 dirty,
                 node,
                 group,
+                0 if old is None else old.restores,
             )
             self.entries[key] = entry
             self.nbytes += nbytes

@@ -28,6 +28,7 @@ log = logging.getLogger("promptstore.snapshots")
 class SpillJob:
     node: NodeId
     snapshots: list[Snapshot]
+    present: list[bool] | None = None  # per layer, when the job holds less than the node's record says
     done: threading.Event = field(default_factory=threading.Event)
     ref: FileRef | None = None
     error: Exception | None = None

@@ -65,6 +65,9 @@ class Filing:
             record = node.record.model_copy(
                 update={"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": tier}
             )
+            if job.present is not None:  # the file holds less than the node did in memory
+                layers = [r.model_copy(update={"present": p}) for r, p in zip(record.layers, job.present)]
+                record = record.model_copy(update={"layers": layers})
             with self.after_commit() as doomed:
                 self.index.update_record(job.node.key, record, expect=unchanged(job.node, old))
                 doomed.append(old if old != ref.path else None)

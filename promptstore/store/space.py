@@ -54,6 +54,9 @@ class Hit:
     checkpoints: positions p > length where the caller, while prefilling,
         should call `space.insert(tokens[:p], cache)`.
     remote_tokens: of `length`, tokens restored from the remote tier (0: none).
+    matched: prompt tokens the store holds (at most len(tokens) - 1): what a
+        model of attention layers only would restore; a model with window or
+        recurrent layers restores at or before it.
     """
 
     length: int
@@ -64,6 +67,7 @@ class Hit:
     cold_tokens: int = 0
     seconds: float = 0.0
     remote_tokens: int = 0
+    matched: int = 0
 
 
 def layer_spec(cache: Any, dtype: str) -> LayerSpec:
@@ -179,7 +183,10 @@ class Space:
         checkpoints: positions the caller knows later prompts will share (the end
             of a system prompt, of a message), asked for in `hit.checkpoints` when
             the model has window or recurrent layers, which restore only where
-            their state was stored (attention layers restore anywhere).
+            their state was stored (attention layers restore anywhere). Such
+            models are also asked for a checkpoint at every prefill step
+            (`checkpoint_interval`, by default `prefill_step`), so a prompt that
+            diverges anywhere restores at most one step before it.
         """
         start = time.perf_counter()
         toks = self._tokens(tokens)
@@ -201,21 +208,22 @@ class Space:
             (length, cache), used, cold = remote, 0, ()  # the remote hit replaces the local one
         cold_tokens = sum(min(n.end, length) - n.start for n in cold if n.start < length)
         if length:
-            self._account(path[:used], hits=1, tokens_served=length)
+            self._account(path[:used], hits=1, tokens_served=length, **self._saved_by_checkpoint(path[:used], length))
         else:
             self._account([], misses=1)
-        checkpoints = tuple(
-            sorted({p for p in match.checkpoints + wanted if p > length} | set(self._grid(length, len(toks) - 1)))
-        )
+        points = set(match.checkpoints + wanted) | set(self._grid(length, len(toks) - 1))
+        if length < match.matched and self._restores_at_points:
+            points.add(match.matched)  # a branch point this prompt can make restorable
         hit = Hit(
             length,
             cache,
-            checkpoints,
+            tuple(sorted(p for p in points if p > length)),
             used,
             len([n for n in cold if n.start < length]),
             cold_tokens,
             time.perf_counter() - start,
-            length if remote is not None else 0,
+            remote_tokens=length if remote is not None else 0,
+            matched=match.matched,
         )
         self.last_hit = hit
         return hit
@@ -238,19 +246,41 @@ class Space:
             self.index.bump(self.namespace, **self._counts)
         self._touched, self._counts, self._flushed = [], Counter(), time.monotonic()
 
+    @property
+    def _restores_at_points(self) -> bool:
+        """Whether some layers restore only where their state or window was stored
+        (range layers restore anywhere: they need no checkpoints)."""
+        return bool(self.namespace.state_mask or self.namespace.window_mask)
+
     def _wanted(self, checkpoints: Sequence[int], n_tokens: int) -> tuple[int, ...]:
         positions = tuple(as_position(p, "checkpoint") for p in checkpoints)
         if any(p > n_tokens for p in positions):
             raise SnapshotRangeError(f"checkpoints {sorted(positions)} reach past the prompt's {n_tokens} tokens")
-        if self.namespace.whole_mask == 0:
-            return ()  # range layers restore anywhere
+        if not self._restores_at_points:
+            return ()
         return tuple(p for p in positions if 0 < p < n_tokens)
 
+    @property
+    def _step(self) -> int:
+        return self.settings.checkpoint_interval or self.settings.prefill_step
+
     def _grid(self, start: int, end: int) -> tuple[int, ...]:
-        if self.namespace.whole_mask == 0:
-            return ()  # range layers restore anywhere: no checkpoints needed
-        step = self.settings.checkpoint_interval
+        """Checkpoints on the prefill grid in (start, end]: recurrent layers' state
+        there costs a state each, window layers' positions nothing extra (they are
+        ranges), and a node per step keeps every window position the prefill drops."""
+        if not self._restores_at_points:
+            return ()
+        step = self._step
         return tuple(range((start // step + 1) * step, end + 1, step))
+
+    def _saved_by_checkpoint(self, path: list[Node], length: int) -> dict:
+        """Counters of a restore that ended at a grid checkpoint's state: the tokens
+        restored past the deepest state that is not one."""
+        state = self.namespace.state_mask
+        if not state or length % self._step or path[-1].end != length:
+            return {}
+        before = [n.end for n in path[:-1] if n.present & state == state and n.end % self._step]
+        return {"checkpoint_hits": 1, "checkpoint_tokens": length - max(before, default=0)}
 
     def _restore(self, cache, path: list[Node], target: int):
         """Restore `cache` to the deepest position <= target every layer reaches."""
@@ -258,8 +288,10 @@ class Space:
         path = path[: len(snaps)]
         while path:
             end = min(target, path[-1].end)
-            chains = C.restore_chains(snaps, path[-1].end)
+            chains = C.restore_chains(snaps, path[-1].end, end)
             if chains is not None and end > path[-1].start and self._restored(cache, chains, end, path[-1]):
+                if end == path[-1].end:
+                    self.tiers.restored_from(path[-1].key)  # its state was worth keeping
                 return end, len(path), cold
             path, snaps = path[:-1], snaps[:-1]
             target = path[-1].end if path else 0
@@ -410,6 +442,7 @@ class Space:
             return 0
         record = self._record(new, prefill_seconds, end - start) if new is not None else None
         result = self.tiers.filing.commit_insert(plan, record, split_records)
+        self._count_checkpoint(len(toks), new if new is not None else uppers if plan.split is not None else None)
         if plan.split is not None:
             self._place_split(plan, uppers, lowers)
         if new is not None:
@@ -417,6 +450,22 @@ class Space:
         if fill is not None:
             fill()
         return end - start  # the index counts tokens_stored itself
+
+    def _count_checkpoint(self, position: int, snaps) -> None:
+        """What checkpoints cost: recurrent states stored at grid positions."""
+        if snaps is None or not self.namespace.state_mask or position % self._step:
+            return
+        nbytes = C.state_nbytes(snaps)
+        if nbytes:
+            self._account([], checkpoints=1, checkpoint_bytes=nbytes)
+
+    def checkpoint_counters(self) -> dict[str, int]:
+        """What checkpoints cost (states stored at grid positions, and those dropped
+        again when they were spilled unused) and save (restores that ended at one,
+        and the tokens they restored past the deepest state that is not one)."""
+        self.flush_stats()
+        counters = self.index.counters(self.namespace)
+        return {k: v for k, v in counters.items() if k.startswith("checkpoint")}
 
     def _snap_span(self, cache, start: int, end: int) -> list[Snapshot]:
         snaps = C.snapshot_prompt_cache(cache, start)
@@ -455,8 +504,11 @@ class Space:
             # The cache is at the split point: it has every layer's state there,
             # whole-state ones included (a caller following hit.checkpoints).
             uppers = self._snap_span(cache, node.start, position)
+            self.tiers.keep_states(plan.split.upper_key)  # where prompts diverge
         elif not any(s is not None for s in snaps):
             uppers = self._snap_node(cache, NodeId(node.key, node.namespace, node.start, plan.split.at), position)
+        else:
+            uppers = C.richer_windows(uppers, cache, node.start, plan.split.at)
         frac = (plan.split.at - node.start) / (node.end - node.start)
         seconds = node.record.prefill_seconds
         upper_rec = self._record(uppers, seconds * frac, 0)

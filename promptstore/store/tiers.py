@@ -23,9 +23,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..caches import Snapshot
+from ..caches import Snapshot, drop_states, present_layers
 from ..config import Settings
-from ..errors import ColdFileError, CorruptRecordError, IndexStoreError
+from ..errors import ColdFileError, CorruptRecordError, IndexStoreError, PromptStoreError
 from ..identity import NodeId
 from ..index import Index, Node
 from ..snapshots import ColdTier, HotTier, SpillJob, Writer
@@ -62,6 +62,7 @@ class Tiers:
         self.pending: dict[bytes, SpillJob] = {}  # evicted from memory, not yet on disk
         self.stranded: dict[bytes, SpillJob] = {}  # could not be written: kept in memory
         self.reports: deque[Report] = deque(maxlen=1000)
+        self.branch_states: set[bytes] = set()  # nodes whose states a split made (see keep_states)
         self.lock = threading.RLock()
         self.remote = self._remote_tier(settings)
         self.quiet: set[bytes] = set()  # nodes made from remote hits: the server has their data
@@ -130,7 +131,7 @@ class Tiers:
             self._submit(SpillJob(node, snapshots))
         for entry in evicted:
             if entry.dirty and not (entry.key == node.key and (mode == "sync" or through)):
-                self._submit(SpillJob(entry.node, entry.snapshots))
+                self._submit(self._spill_job(entry))
 
     def tenant(self, namespace: bytes) -> Hashable:
         """Whose budgets a namespace's nodes count against: its tenant digest (None
@@ -143,6 +144,42 @@ class Tiers:
     def forget(self, key: bytes) -> None:
         """Drop a node's in-memory snapshots (its span changed or it was removed)."""
         self.hot.pop(key)
+        with self.lock:
+            self.branch_states.discard(key)
+
+    def _spill_job(self, entry) -> SpillJob:
+        """A node leaving memory. Its recurrent states are dropped when no restore
+        has used them and the node is neither a leaf nor a branch point: a
+        checkpoint no later prompt used is worth little (a prefill that passes
+        it again stores it again)."""
+        job = SpillJob(entry.node, entry.snapshots)
+        with self.lock:
+            at_branch = entry.key in self.branch_states
+            self.branch_states.discard(entry.key)
+        if entry.restores or at_branch or len(self.index.children(entry.key)) != 1:
+            return job
+        kept, dropped = drop_states(entry.snapshots)
+        if dropped:
+            job.snapshots, job.present = kept, present_layers(kept)
+            self.counts["checkpoints_dropped"] += 1
+            try:
+                ns = self.index.namespace(job.node.namespace)
+                self.index.bump(ns, checkpoints_dropped=1, checkpoint_bytes_dropped=dropped)
+            except PromptStoreError:
+                pass  # counters are advisory
+        return job
+
+    def keep_states(self, key: bytes) -> None:
+        """The node ends where prompts diverge: keep its states whatever its children."""
+        with self.lock:
+            self.branch_states.add(key)
+
+    def restored_from(self, key: bytes) -> None:
+        """A restore ended at this node's end: its states are worth keeping."""
+        with self.hot.lock:
+            entry = self.hot.entries.get(key)
+            if entry is not None:
+                entry.restores += 1
 
     def _submit(self, job: SpillJob) -> None:
         with self.lock:
@@ -234,7 +271,7 @@ class Tiers:
             group=self.tenant(node.namespace),
         ):
             if entry.dirty:
-                self._submit(SpillJob(entry.node, entry.snapshots))
+                self._submit(self._spill_job(entry))
         return snapshots
 
     def _bad_file(self, node: Node, error: ColdFileError) -> None:
@@ -291,7 +328,7 @@ class Tiers:
             with self.lock:
                 queued = self.pending.get(entry.key)
             if queued is None or queued.snapshots is not entry.snapshots:  # not one already on its way
-                self._submit(SpillJob(entry.node, entry.snapshots))
+                self._submit(self._spill_job(entry))
         self.flush()
 
     def cold_bytes(self) -> int:

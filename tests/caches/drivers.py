@@ -112,10 +112,17 @@ class RotatingDriver(Driver):
         return C.RotatingKVCache(max_size=self.max_size, keep=self.keep)
 
     def logical(self, cache):
+        """The window the next step attends to: the keep first positions and the
+        last max_size - keep (a longer buffer after a chunked update trims the rest
+        before it is read)."""
         if cache.keys is None:
             return {"offset": cache.offset}
         k = cache._temporal_order(cache.keys)
         v = cache._temporal_order(cache.values)
+        if cache.offset > cache.max_size:
+            tail = cache.max_size - cache.keep
+            k = mx.concatenate([k[..., : cache.keep, :], k[..., -tail:, :]], axis=2)
+            v = mx.concatenate([v[..., : cache.keep, :], v[..., -tail:, :]], axis=2)
         return {"offset": cache.offset, "k": _np(k), "v": _np(v)}
 
 

@@ -52,7 +52,7 @@ def reachable_expected(driver, full_cache, target, end):
         return True
     if isinstance(driver, (ArraysDriver, CacheListDriver)):
         return False  # recurrent state exists only where it was taken
-    if driver.kind in ("rotating", "batch_rotating"):
+    if driver.kind == "batch_rotating":
         # A window reaches earlier positions while it has dropped none.
         return driver.logical(full_cache)["k"].shape[2] == end
     return True

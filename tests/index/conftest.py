@@ -6,7 +6,8 @@ import pytest
 
 from promptstore.index import Index, LayerSpec, NamespaceSpec, NodeRecord
 
-# Range layers only; a hybrid with a sliding window; recurrent state inside a cache list.
+# Range layers only; a hybrid with a sliding window; recurrent state inside a cache list;
+# a hybrid with a recurrent layer.
 SPECS = (
     NamespaceSpec(model_id="test/kv", layers=[LayerSpec(kind="kv"), LayerSpec(kind="kv")]),
     NamespaceSpec(
@@ -25,6 +26,7 @@ SPECS = (
         ],
         tenant="7e" * 16,  # a tenant_digest
     ),
+    NamespaceSpec(model_id="test/recurrent", layers=[LayerSpec(kind="kv"), LayerSpec(kind="arrays")]),
 )
 
 

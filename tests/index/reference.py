@@ -20,7 +20,7 @@ def lcp(a: tuple, b: tuple) -> int:
 
 @dataclass
 class RefTrie:
-    whole: tuple[bool, ...]
+    roles: tuple[str, ...]  # per layer: "range", "state" or "window"
     nodes: dict[tuple, tuple[tuple[bool, ...], int]] = field(default_factory=dict)  # prefix -> (present, nbytes)
 
     def matched(self, seq: tuple) -> int:
@@ -46,14 +46,16 @@ class RefTrie:
     def restorable(self, seq: tuple) -> int:
         nodes = [(len(self.parent(p)), len(p), self.nodes[p][0]) for p in self.path(seq)]
         for pos in range(self.matched(seq), 0, -1):
-            if all(self._reaches(i, w, pos, nodes) for i, w in enumerate(self.whole)):
+            if all(self._reaches(i, role, pos, nodes) for i, role in enumerate(self.roles)):
                 return pos
         return 0
 
     @staticmethod
-    def _reaches(i: int, whole: bool, pos: int, nodes) -> bool:
-        if whole:
+    def _reaches(i: int, role: str, pos: int, nodes) -> bool:
+        if role == "state":
             return any(end == pos and present[i] for _, end, present in nodes)
+        if role == "window":
+            return True  # the index leaves window layers to the store
         return all(present[i] for start, _, present in nodes if start < pos)
 
     def plan(self, seq: tuple) -> tuple[int, int | None, bool]:

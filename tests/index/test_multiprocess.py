@@ -37,7 +37,7 @@ def test_two_processes_share_one_store(tmp_path):
         child.join(timeout=60)
         assert status == "ok", theirs_summary
         assert child.exitcode == 0
-        ref = RefTrie(ns.whole)
+        ref = RefTrie(ns.roles)
         for seq in mine + theirs:
             full = (tuple(True for _ in ns.whole), 0)
             ref.insert(seq, full, full, full)

@@ -28,7 +28,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="ps-index-"))
         self.ix = Index.open(self.dir / "index", sync=False, map_size=1 << 20)
         self.spaces = [self.ix.register_namespace(spec) for spec in SPECS]
-        self.refs = [RefTrie(ns.whole) for ns in self.spaces]
+        self.refs = [RefTrie(ns.roles) for ns in self.spaces]
         self.order: list[tuple[int, tuple]] = []  # access order, oldest first
 
     def teardown(self) -> None:

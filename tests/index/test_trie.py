@@ -52,11 +52,11 @@ def test_sequence_ending_inside_an_edge_only_splits(index, spaces):
     assert index.plan_insert(kv, [1, 2]).changes_nothing
 
 
-def test_whole_state_layers_restore_only_at_checkpointed_ends(index, spaces):
-    hybrid = spaces[1]
+def test_state_layers_restore_only_at_checkpointed_ends(index, spaces):
+    hybrid = spaces[3]
     index.insert(hybrid, [1, 2, 3, 4, 5, 6], full(hybrid))
     index.insert(hybrid, [1, 2, 3, 9], full(hybrid), split_records=(branch(hybrid), full(hybrid)))
-    # The branch point at 3 has no rotating snapshot yet: diverging there restores nothing.
+    # The branch point at 3 has no recurrent state yet: diverging there restores nothing.
     match = index.lookup(hybrid, [1, 2, 3, 7])
     assert (match.matched, match.restorable, match.restorable_depth) == (3, 0, -1)
     assert match.checkpoints == (3,)
@@ -66,9 +66,21 @@ def test_whole_state_layers_restore_only_at_checkpointed_ends(index, spaces):
     # Ending inside an edge: only the node ends count, and matched is a checkpoint hint.
     match = index.lookup(hybrid, [1, 2, 3, 4, 5])
     assert (match.matched, match.restorable, match.checkpoints) == (5, 0, (3, 5))
-    # A checkpoint fills the whole-state layer at 3.
+    # A checkpoint fills the state layer at 3.
     index.update_record(match.path[0].key, full(hybrid))
     assert index.lookup(hybrid, [1, 2, 3, 7]).restorable == 3
+
+
+def test_window_layers_are_left_to_the_store(index, spaces):
+    """The index cannot see which positions a window layer holds: it offers what the
+    range layers reach, and a branch point inside a node as a checkpoint."""
+    hybrid = spaces[1]
+    index.insert(hybrid, [1, 2, 3, 4, 5, 6], full(hybrid))
+    index.insert(hybrid, [1, 2, 3, 9], full(hybrid), split_records=(branch(hybrid), full(hybrid)))
+    match = index.lookup(hybrid, [1, 2, 3, 7])
+    assert (match.matched, match.restorable, match.restorable_depth) == (3, 3, 0)
+    match = index.lookup(hybrid, [1, 2, 3, 4, 5])
+    assert (match.matched, match.restorable, match.checkpoints) == (5, 5, (5,))
 
 
 def test_range_layers_restore_inside_spans(index, spaces):

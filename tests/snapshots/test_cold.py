@@ -321,7 +321,7 @@ DAMAGE = {
     "tensor offsets": (_flip_at(b'"data_offsets":[', 16), {"header"}),
     "node key": (_flip_at(KEY.hex().encode(), 0), {"identity"}),
     "node namespace": (_flip_at(NS.hex().encode(), 3), {"identity"}),
-    "node version": (_flip_at(b'format_version\\":2', 17, 0x02), {"version", "header"}),
+    "node version": (_flip_at(b'format_version\\":3', 17, 0x04), {"version", "header"}),
     "array checksum": (_flip_at(b'checksums\\":{\\"', 30), {"checksum", "header"}),
     "snapshot kind": (_flip_at(b'kind\\":\\"kv', 10), {"format", "checksum"}),
     "snapshot quote": (_flip_at(b'kind\\":\\"kv', 6, 0x40), {"header", "format", "checksum"}),
@@ -701,14 +701,14 @@ EDITS = {
     "tensor named with NUL": rename_tensor("L0/keys", "L0/keys\x00"),
     "array spec named ../x": spec_name("../x"),
     "same bytes, other dtype": same_bytes_other_dtype,
-    "node format version 3": version(3),
+    "node format version 4": version(4),
     "snapshots format version 99": record_version(99),
     "no layers": drop_layer,
     "node record missing": lambda t, n, r: n.clear(),
 }
 
 
-EDIT_REASONS = {"node format version 3": "version", "node record missing": "header"}  # else "format"
+EDIT_REASONS = {"node format version 4": "version", "node record missing": "header"}  # else "format"
 
 
 @pytest.mark.parametrize("name", sorted(EDITS))

@@ -93,17 +93,23 @@ SYSTEM = A[:BRANCH]  # a system prompt every conversation starts with
 
 @pytest.mark.parametrize("family", ["falcon_h1", "qwen3_next", "gemma3_text"])
 def test_a_checkpoint_the_caller_names_serves_the_second_conversation(tmp_path, family):
+    """Recurrent layers restore only where a state was stored, so the hint is what
+    serves the second conversation; window layers are ranges, and restore at the
+    whole shared prefix with or without it."""
     model = _model(family)
     first, second = (mx.concatenate([SYSTEM, prompt_tokens(12, seed=s)]) for s in (41, 42))
+    shared = next(i for i, (a, b) in enumerate(zip(first.tolist(), second.tolist())) if a != b)
+    recurrent = family != "gemma3_text"
     with PromptStore.open(tmp_path / "told", durability="sync") as store:
         space = store.bind(model, model_id="m")
         assert BRANCH in insert_following_checkpoints(space, model, first, checkpoints=(BRANCH,)).checkpoints
         length, err = served(space, model, second)
-        assert length == BRANCH and err < TOL, (length, err)
+        assert length == (BRANCH if recurrent else shared) and err < TOL, (length, err)
     with PromptStore.open(tmp_path / "not told", durability="sync") as store:
         space = store.bind(model, model_id="m")
         insert_following_checkpoints(space, model, first)
-        assert space.fetch(second).length < BRANCH  # what the hint saves
+        length, err = served(space, model, second)
+        assert (length < BRANCH if recurrent else length == shared) and err < TOL, (length, err)
 
 
 def test_named_checkpoints_are_not_needed_by_attention_only_models(tmp_path):

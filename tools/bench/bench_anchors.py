@@ -9,8 +9,10 @@ the same script runs where only mlx and mlx-lm are installed):
            conversation, after the stores were closed and the process ended.
 - fork     an agent conversation forked into a tree of branches (tool
            results, then retries of each), then back to earlier points.
-- hybrid   the chat workload on a sliding-window model (gemma3_text layout)
-           and a recurrent hybrid (qwen3_next layout).
+- hybrid   the chat workload (the same prompts) on a sliding-window model
+           (gemma3_text layout) and a recurrent hybrid (qwen3_next layout); it
+           reports where promptstore restored against where each prompt diverges
+           from what it stores, and its prefill cut against the dense model's.
 
 Contenders, run one after another on the same requests and the same model:
 
@@ -106,7 +108,7 @@ class Profile:
     user_tokens: int
     reply_tokens: int
     prefill_step: int
-    checkpoint_interval: int
+    checkpoint_interval: int | None  # None: promptstore's default (its prefill step)
     hot_bytes: int
     fork_system: int
     fork_width: int  # branches off the root
@@ -134,13 +136,13 @@ PROFILES = {
         user_tokens=32,
         reply_tokens=4,
         prefill_step=512,
-        checkpoint_interval=1024,
+        checkpoint_interval=None,
         hot_bytes=2 * GiB,
         fork_system=1536,
         fork_width=3,
         fork_retries=2,
-        hybrid_conversations=6,
-        hybrid_turns=2,
+        hybrid_conversations=16,
+        hybrid_turns=3,
         hybrid_hidden=256,
         hybrid_window=512,
         ceiling_samples=24,
@@ -150,7 +152,7 @@ PROFILES = {
         "Llama-3.2-1B's shape (with 1, MLX's lazy evaluation would skip all but the key/value "
         "projections of a prefill); 16 conversations x 3 turns over 3 system prompts of 1k-2k tokens "
         "(the issue's example: 24 x 6 over 1k-4k), one more turn after the restart; replies of 4 "
-        "tokens; hybrids: 6 conversations x 2 turns on models 256 wide",
+        "tokens; hybrids: the same chat (16 x 3, same prompts) on models 256 wide",
     ),
     "quick": Profile(
         name="quick",
@@ -168,7 +170,7 @@ PROFILES = {
         fork_system=256,
         fork_width=2,
         fork_retries=1,
-        hybrid_conversations=3,
+        hybrid_conversations=6,
         hybrid_turns=2,
         hybrid_hidden=128,
         hybrid_window=128,
@@ -193,8 +195,8 @@ PROFILES = {
         fork_system=32768,
         fork_width=3,
         fork_retries=2,
-        hybrid_conversations=6,
-        hybrid_turns=2,
+        hybrid_conversations=12,
+        hybrid_turns=3,
         hybrid_hidden=1024,
         hybrid_window=1024,
         ceiling_samples=6,
@@ -414,6 +416,7 @@ class Outcome:
     name: str
     prompt_tokens: int
     restored: int = 0
+    matched: int = 0  # promptstore: prompt tokens it stores (where the prompt diverges from them)
     cold_tokens: int = 0
     restore_s: float = 0.0
     restored_bytes: int = 0
@@ -611,11 +614,9 @@ class Store(Contender):
         super().__init__(engine)
         self.root, self.model_id, self.cold_only = root, model_id, cold_only
         self.name = "promptstore cold only" if cold_only else "promptstore hot"
-        self.settings = dict(
-            hot_bytes=0 if cold_only else hot_bytes,
-            checkpoint_interval=engine.profile.checkpoint_interval,
-            prefill_step=engine.profile.prefill_step,
-        )
+        self.settings = dict(hot_bytes=0 if cold_only else hot_bytes, prefill_step=engine.profile.prefill_step)
+        if engine.profile.checkpoint_interval is not None:
+            self.settings["checkpoint_interval"] = engine.profile.checkpoint_interval
         self.store = PromptStore.open(root, **self.settings)
         self.space = self.store.bind(engine.model, model_id=model_id)
 
@@ -627,7 +628,7 @@ class Store(Contender):
         hit = space.fetch(tokens, checkpoints=(req.sys_end,) if 0 < req.sys_end < len(tokens) else ())
         cache, position = hit.cache, hit.length
         self._restored(out, cache, hit.length, t0)
-        out.cold_tokens = hit.cold_tokens
+        out.cold_tokens, out.matched = hit.cold_tokens, hit.matched
         for point in [p for p in hit.checkpoints if p < len(tokens) - 1] + [len(tokens) - 1]:
             if point <= position:
                 continue
@@ -1084,7 +1085,31 @@ GOALS = [
     ("hit TTFT / TTFT at mx.load (promptstore cold only, p50 over hits)", "<= 1.25x"),
     ("disk bytes (promptstore hot / mlx-lm files)", "<= 0.3x"),
     ("tokens restorable after a restart / before (promptstore)", ">= 95%"),
+    ("hybrid prefill cut minus the dense model's on the same chat (promptstore hot)", "within 2 points"),
+    ("hybrid disk bytes (promptstore hot / mlx-lm files)", "<= 1.0x"),
+    ("hybrid restores within one prefill step of the divergence (promptstore hot)", "100%"),
 ]
+
+
+def restore_points(outs: list[dict], step: int) -> dict:
+    """Where promptstore restored against where each prompt diverges from what the
+    store holds (`matched`, what a model of attention layers only restores)."""
+    gaps = np.asarray([o["matched"] - o["restored"] for o in outs], dtype=float)
+    prompt = sum(o["prompt_tokens"] for o in outs)
+    edges = [0, 1, 65, 257, step + 1, float("inf")]
+    names = ["0", "1-64", "65-256", f"257-{step}", f"> {step}"]
+    hist = {n: int(((gaps >= lo) & (gaps < hi)).sum()) for n, lo, hi in zip(names, edges, edges[1:])}
+    return {
+        "requests": len(outs),
+        "prefill_step": step,
+        "at_divergence": int((gaps == 0).sum()),
+        "within_step": int((gaps <= step).sum()),
+        "gap_p50": pct(gaps, 50),
+        "gap_p95": pct(gaps, 95),
+        "gap_max": float(gaps.max()) if len(gaps) else None,
+        "histogram": hist,
+        "attention_only_cut": 1 - sum(o["prompt_tokens"] - o["matched"] for o in outs) / prompt if prompt else None,
+    }
 
 
 def _row(summary: dict, name: str) -> dict | None:
@@ -1107,6 +1132,8 @@ def goals(workloads: dict[str, dict]) -> list[dict]:
         )
 
     for wname, s in workloads.items():
+        if wname.startswith("hybrid-"):
+            hybrid_goals(add, wname, s, workloads.get("chat"))
         if wname == "restart":
             kept = s["survived"]["promptstore (restarted)"]["kept"]
             add(
@@ -1123,7 +1150,8 @@ def goals(workloads: dict[str, dict]) -> list[dict]:
         if hot is None:
             continue
         cut = hot["prefill_cut"]
-        add(GOALS[0][0], wname, cut, cut is not None and cut >= 0.90, f"{cut:.1%}")
+        if not wname.startswith("hybrid-"):  # the hybrids have their own cut and disk goals
+            add(GOALS[0][0], wname, cut, cut is not None and cut >= 0.90, f"{cut:.1%}")
         r = hot.get("hit_ttft_vs_floor_p50")
         add(
             GOALS[1][0],
@@ -1143,7 +1171,7 @@ def goals(workloads: dict[str, dict]) -> list[dict]:
                 "n/a" if r is None else f"{r:.2f}x",
                 f"restore alone: {cold['restore_vs_load']:.2f}x mx.load" if cold.get("restore_vs_load") else "",
             )
-        if files is not None and files["disk_bytes"]:
+        if files is not None and files["disk_bytes"] and not wname.startswith("hybrid-"):
             r = hot["disk_bytes"] / files["disk_bytes"]
             add(
                 GOALS[3][0],
@@ -1154,6 +1182,69 @@ def goals(workloads: dict[str, dict]) -> list[dict]:
                 f"{_bytes(hot['disk_bytes'])} vs {_bytes(files['disk_bytes'])}",
             )
     return out
+
+
+def probe_divergences(contenders: list[Contender], script: ChatScript, profile: Profile, n: int = 64) -> dict:
+    """Prompts that leave a stored one at a random position (nothing is prefilled or
+    stored): where promptstore hot restores them, against where they diverge."""
+    store = next(c for c in contenders if c.name == "promptstore hot")
+    rng = np.random.default_rng(11)
+    outs = []
+    for _ in range(n):
+        c = int(rng.integers(script.conversations))
+        prompt = script.prompt(c, script.turns - 1, script.replies)
+        at = int(rng.integers(1, len(prompt) - 1))
+        tokens = prompt[:at] + _content(rng, 8, profile.vocab)
+        hit = store.space.fetch(tokens)
+        outs.append({"matched": hit.matched, "restored": hit.length, "prompt_tokens": len(tokens)})
+    return restore_points(outs, profile.prefill_step)
+
+
+def hybrid_goals(add, wname: str, s: dict, chat: dict | None) -> None:
+    hot, files = _row(s, "promptstore hot"), _row(s, "mlx-lm cache files")
+    points = s.get("restore_points") or {}
+    dense_row = _row(chat, "promptstore hot") if chat and s.get("same_prompts_as_chat") else None
+    if dense_row is not None:
+        dense, of = dense_row["prefill_cut"], "the chat workload's dense model"
+    else:
+        dense, of = points.get("attention_only_cut"), "an attention-only model on the same requests"
+    if hot and dense is not None:
+        diff = hot["prefill_cut"] - dense
+        add(
+            GOALS[5][0],
+            wname,
+            diff,
+            abs(diff) <= 0.02,
+            f"{diff * 100:+.1f} points",
+            f"{hot['prefill_cut']:.1%} vs {dense:.1%} ({of}); LRU {_row(s, 'mlx-lm LRUPromptCache')['prefill_cut']:.1%}",
+        )
+    if hot and files and files["disk_bytes"]:
+        r = hot["disk_bytes"] / files["disk_bytes"]
+        add(
+            GOALS[6][0],
+            wname,
+            r,
+            r <= 1.0,
+            f"{r:.2f}x",
+            f"{_bytes(hot['disk_bytes'])} vs {_bytes(files['disk_bytes'])}",
+        )
+    probes = s.get("divergence_probes")
+    if probes:  # counted over the chat's requests and the probes together
+        points = dict(points)
+        for k in ("requests", "at_divergence", "within_step"):
+            points[k] += probes[k]
+        points["gap_max"] = max(points["gap_max"] or 0, probes["gap_max"] or 0)
+    if points:
+        share = points["within_step"] / points["requests"] if points["requests"] else None
+        add(
+            GOALS[7][0],
+            wname,
+            share,
+            share == 1.0,
+            "n/a" if share is None else f"{share:.0%}",
+            f"{points['at_divergence']} of {points['requests']} at the divergence itself (chat requests and "
+            f"random divergence probes); max gap {points['gap_max']:.0f} tokens",
+        )
 
 
 def _bytes(n: int | None) -> str:
@@ -1251,8 +1342,25 @@ def report(doc: dict) -> str:
     ]
     for name, s in doc["workloads"].items():
         parts.append(f"\n#### {TITLES.get(name, name)}\n\n{s['model']}; {s['requests_note']}.\n\n{workload_table(s)}")
+        if s.get("restore_points"):
+            parts.append(restore_points_text(s["restore_points"], "the chat's requests"))
+        if s.get("divergence_probes"):
+            parts.append(
+                restore_points_text(s["divergence_probes"], "prompts leaving a stored one at random positions")
+            )
     parts.append(f"\n#### Goals\n\n{goals_table(doc['goals'])}")
     return "\n".join(parts)
+
+
+def restore_points_text(p: dict, what: str) -> str:
+    hist = ", ".join(f"{k}: {v}" for k, v in p["histogram"].items())
+    return (
+        f"\nWhere promptstore hot restored {what}, in tokens before the point where each diverges from what "
+        f"the store holds (what an attention-only model restores: a {p['attention_only_cut']:.1%} cut on these "
+        f"requests): {p['at_divergence']} of {p['requests']} requests at that point, {p['within_step']} within one "
+        f"prefill step ({p['prefill_step']}); gap p50 {p['gap_p50']:.0f}, p95 {p['gap_p95']:.0f}, max "
+        f"{p['gap_max']:.0f}; requests by gap: {hist}."
+    )
 
 
 NOTES = """\
@@ -1279,11 +1387,13 @@ How to read the tables:
   column gives the stricter restore-alone ratio.
 - mlx-lm's LRU restores with `copy.deepcopy`, which on the CPU shares the MLX buffer: its copy happens
   at the cache's first write, inside the prefill, so its restore column can beat the one-copy floor.
-- Hybrid runs are smaller (fewer conversations and turns) than the chat run: their prefill cut and
-  disk ratio are shown against the chat goals but are not the chat workload. promptstore spends its
-  disk there on whole-state checkpoints (window or recurrent state at branch points, at the end
-  of the system segment it is told, as mlx-lm's server is, and every `checkpoint_interval`
-  tokens), the restore points those layers need.
+- Hybrid runs send the chat workload's prompts (when the profile gives them its sizes) to smaller
+  models. Their goals: a prefill cut within 2 points of the dense model's on the same chat, disk at
+  most mlx-lm's per-conversation files, and every restore within one prefill step of where the
+  prompt diverges from what the store holds. promptstore stores sliding-window layers as ranges
+  (restorable wherever their last window is stored) and recurrent state at every prefill step
+  while it prefills, keeping in files only the states a restore used or that end a leaf or a
+  branch point.
 """
 
 
@@ -1447,18 +1557,32 @@ def main(argv=None) -> int:
                 hmodel, hid, hdesc = build_model(profile, family)
                 hengine = Engine(hmodel, profile)
                 warm_up(hengine)
+                # Seeded as the chat workload: the same prompts, when the sizes are the same.
                 script = ChatScript(
                     profile,
                     profile.vocab,
                     profile.hybrid_conversations,
                     profile.hybrid_turns,
                     name=f"hybrid-{family}",
-                    seed=3,
+                    seed=1,
                 )
-                s = run_chat_like(script, hengine, hid, hdesc, tmp / family, profile)
+                root = tmp / family
+                contenders, results, reference, t0 = run_chat_like(
+                    script, hengine, hid, hdesc, root, profile, keep_open=True
+                )
+                probes = probe_divergences(contenders, script, profile)
+                s = finish_workload(script.name, hdesc, contenders, results, reference, root, profile, t0)
+                s["divergence_probes"] = probes
+                s["same_prompts_as_chat"] = (profile.hybrid_conversations, profile.hybrid_turns) == (
+                    profile.conversations,
+                    profile.turns,
+                )
+                s["restore_points"] = restore_points(s["outcomes"]["promptstore hot"], profile.prefill_step)
+                grid = profile.checkpoint_interval or profile.prefill_step
                 s["requests_note"] = (
                     f"{profile.hybrid_conversations} conversations x {profile.hybrid_turns} turns over the same "
-                    f"system prompts; promptstore checkpoint_interval {profile.checkpoint_interval}"
+                    f"system prompts{' as the chat workload' if s['same_prompts_as_chat'] else ''}; promptstore "
+                    f"checkpoints every {grid} tokens{' (its prefill step)' if grid == profile.prefill_step else ''}"
                 )
                 workloads[f"hybrid-{family}"] = s
                 del hengine, hmodel
