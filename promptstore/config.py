@@ -42,6 +42,14 @@ class Settings(BaseModel):
     file_mode: int = Field(0o600, description="permissions of snapshot files")
     dir_mode: int = Field(0o700, description="permissions of store directories")
     map_size: int = Field(64 << 20, ge=1 << 16, description="initial LMDB map size; it grows when full")
+    cold_plan: Literal["auto", "load"] = Field(
+        "auto",
+        description="auto: serve a hit's cold nodes by loading, recomputing or both at once, whichever the "
+        "namespace's measured rates say is first; load: always load them",
+    )
+    cold_plan_margin: float = Field(
+        0.02, ge=0, description="seconds a plan other than loading must be expected to save to be chosen"
+    )
 
     @field_validator("file_mode", "dir_mode")
     @classmethod

@@ -32,6 +32,7 @@ from ..errors import (
 )
 from ..identity import NodeId
 from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, as_tokens
+from .plan import Choice, record_prefill, restore_hit, save_rates
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -50,6 +51,8 @@ class Hit:
     cache: per-layer caches at offset `length`, usable as mlx-lm's prompt_cache.
     checkpoints: positions p > length where the caller, while prefilling,
         should call `space.insert(tokens[:p], cache)`.
+    computed: of `length`, the tokens fetch prefilled itself while reading the
+        rest from disk (see plan.py); choice: how cold nodes were served.
     """
 
     length: int
@@ -59,6 +62,8 @@ class Hit:
     cold_nodes: int = 0
     cold_tokens: int = 0
     seconds: float = 0.0
+    computed: int = 0
+    choice: Choice | None = None
 
 
 def layer_spec(cache: Any, dtype: str) -> LayerSpec:
@@ -188,8 +193,8 @@ class Space:
             self.tiers.report("record", key, "the index record failed its checksum; treated as missing")
         path = list(match.path[: match.restorable_depth + 1])
         target = match.restorable
-        restored = self._restore(cache, path, target)
-        length, used, cold = restored if restored else (0, 0, ())
+        restored = restore_hit(self, cache, path, target, toks)  # load, recompute or both
+        length, used, cold, computed, choice = restored if restored else (0, 0, (), 0, None)
         cold_tokens = sum(min(n.end, length) - n.start for n in cold if n.start < length)
         if length:
             self._account(path[:used], hits=1, tokens_served=length)
@@ -206,6 +211,8 @@ class Space:
             len([n for n in cold if n.start < length]),
             cold_tokens,
             time.perf_counter() - start,
+            computed,
+            choice,
         )
         self.last_hit = hit
         return hit
@@ -222,6 +229,7 @@ class Space:
         if self._touched or self._counts:
             self.index.touch(self._touched)
             self.index.bump(self.namespace, **self._counts)
+        save_rates(self)
         self._touched, self._counts, self._flushed = [], Counter(), time.monotonic()
 
     def _wanted(self, checkpoints: Sequence[int], n_tokens: int) -> tuple[int, ...]:
@@ -237,19 +245,6 @@ class Space:
             return ()  # range layers restore anywhere: no checkpoints needed
         step = self.settings.checkpoint_interval
         return tuple(range((start // step + 1) * step, end + 1, step))
-
-    def _restore(self, cache, path: list[Node], target: int):
-        """Restore `cache` to the deepest position <= target every layer reaches."""
-        snaps, cold = self.tiers.get_path(path)
-        path = path[: len(snaps)]
-        while path:
-            end = min(target, path[-1].end)
-            chains = C.restore_chains(snaps, path[-1].end)
-            if chains is not None and end > path[-1].start and self._restored(cache, chains, end, path[-1]):
-                return end, len(path), cold
-            path, snaps = path[:-1], snaps[:-1]
-            target = path[-1].end if path else 0
-        return None
 
     def _restored(self, cache, chains, end: int, last: Node) -> bool:
         """restore_prompt_cache, with stored snapshots that do not fit (a file of
@@ -358,6 +353,8 @@ class Space:
             return 0
         record = self._record(new, prefill_seconds, end - start) if new is not None else None
         result = self.tiers.filing.commit_insert(plan, record, split_records)
+        if end > start:
+            record_prefill(self, start, end, prefill_seconds)
         if plan.split is not None:
             self._place_split(plan, uppers, lowers)
         if new is not None:
