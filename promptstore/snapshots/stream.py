@@ -105,20 +105,41 @@ class Pass:
     def __init__(self, source: Source):
         self.source, self.done, self.hasher = source, 0, xxhash.xxh3_128()
 
-    def take(self, n: int, into: memoryview | None = None) -> None:
-        """The next `n` bytes, into `into` (n bytes long) or, when None, read and dropped."""
-        at = 0
-        while at < n:
-            k = min(n - at, CHUNK)
-            dst = into[at : at + k] if into is not None else _scratch(k)
-            self._read(dst)
-            self.hasher.update(dst)
-            at += k
+    def take(self, spans: list[tuple[int, memoryview | None]]) -> None:
+        """The next bytes of the source, span by span: (n, into) reads n bytes
+        into `into` (n long) or, when it is None, reads and drops them. Spans are
+        read a chunk at a time (one preadv each), then hashed while in cache."""
+        batch, size = [], 0
+        for n, into in spans:
+            at = 0
+            while at < n:
+                k = min(n - at, CHUNK - size)
+                batch.append(into[at : at + k] if into is not None else None)
+                batch[-1] = batch[-1] if into is not None else k
+                at, size = at + k, size + k
+                if size == CHUNK:
+                    self._run(batch, size)
+                    batch, size = [], 0
+        if batch:
+            self._run(batch, size)
 
-    def _read(self, dst: memoryview) -> None:
+    def _run(self, batch: list, size: int) -> None:
+        """Read `size` bytes into the batch's views (an int: that many bytes into scratch), then hash them."""
+        scratch, used, views = _scratch(CHUNK), 0, []
+        for b in batch:
+            if isinstance(b, int):
+                views.append(scratch[used : used + b])
+                used += b
+            else:
+                views.append(b)
+        self._read(views, size)
+        for v in views:
+            self.hasher.update(v)
+
+    def _read(self, views: list[memoryview], size: int) -> None:
         src, got = self.source, 0
-        while got < len(dst):
-            n = os.preadv(src.file.fd, [dst[got:]], src.offset + self.done + got)
+        while got < size:
+            n = os.preadv(src.file.fd, _after(views, got), src.offset + self.done + got)
             if n <= 0:
                 raise ColdFileError(f"{src.file.rel}: ends inside array {src.name!r}", "unreadable", src.file.rel)
             got += n
@@ -132,10 +153,22 @@ class Pass:
             raise ColdFileError(f"{src.file.rel}: array {src.name!r} fails its checksum", "checksum", src.file.rel)
 
 
+def _after(views: list[memoryview], skip: int) -> list[memoryview]:
+    """`views` without their first `skip` bytes (after a short read)."""
+    out = []
+    for v in views:
+        if skip >= len(v):
+            skip -= len(v)
+            continue
+        out.append(v[skip:])
+        skip = 0
+    return out
+
+
 def read_whole(source: Source, into: memoryview) -> None:
     """Every byte of `source` into `into`, verified."""
     p = Pass(source)
-    p.take(source.nbytes, into)
+    p.take([(source.nbytes, into)])
     p.check()
 
 
@@ -332,8 +365,9 @@ def _read_rows(piece: StoredArray, dest: np.ndarray) -> None:
     _, _, length, d = piece.stored_shape
     row = d * piece.dtype.size
     p = Pass(piece.source)
+    spans = []
     for i in range(dest.shape[0]):
-        p.take(lo * row)
-        p.take((hi - lo) * row, memoryview(dest[i]).cast("B"))
-        p.take((length - hi) * row)
+        placed = memoryview(dest[i]).cast("B") if hi > lo else None
+        spans += [(lo * row, None), ((hi - lo) * row, placed), ((length - hi) * row, None)]
+    p.take([(n, v) for n, v in spans if n])
     p.check()

@@ -172,7 +172,7 @@ def record_prefill(space: Space, lo: int, hi: int, seconds: float | None) -> Non
 def restore_hit(space: Space, cache: list, path: list[Node], target: int, tokens: np.ndarray):
     """Restore `cache` along `path` to at most `target`, loading, recomputing
     or both as `choose` says. Returns (length, nodes used, cold nodes,
-    tokens this fetch prefilled itself, the choice), or None for nothing."""
+    tokens this fetch prefilled itself, the choice); length 0 is a miss."""
     held = 0
     while held < len(path) and space.tiers.is_held(path[held]):
         held += 1
@@ -194,7 +194,7 @@ def restore_hit(space: Space, cache: list, path: list[Node], target: int, tokens
 
 
 def _with(restored, computed: int, choice: Choice):
-    return None if restored is None else (*restored, computed, choice)
+    return (*(restored or (0, 0, [])), computed, choice)
 
 
 def _nbytes(node: Node) -> int:
