@@ -14,6 +14,7 @@ from promptstore import caches as C
 from promptstore.caches.join import join
 from promptstore.caches.serialize import METADATA_KEY
 from promptstore.errors import ColdFileError
+from promptstore.identity import NodeId
 from promptstore.snapshots import stream
 from promptstore.snapshots.cold import ColdTier
 
@@ -30,10 +31,9 @@ def kv_snapshot(start: int, end: int, dtype=mx.float32, seed: int = 0):
 
 def stored(tier, snap, deferred=True):
     """The snapshot written to `tier`, read back with its token arrays left in the file."""
-    ref = tier.write(KEY, NS, snap.start, snap.end, [snap])
-    (got,) = tier.start_load(
-        ref.path, key=KEY, namespace=NS, start=snap.start, end=snap.end, deferred=deferred
-    ).result()
+    node = NodeId(KEY, NS, snap.start, snap.end)
+    ref = tier.write(node, [snap])
+    (got,) = tier.start_load(ref.path, node, deferred).result()
     return got, tier.root / ref.path
 
 
@@ -114,7 +114,7 @@ def test_arrays_read_whole_are_verified_and_independent_of_the_file(tier):
 def test_cold_files_are_plain_safetensors(tier):
     """Written by promptstore's own writer, read by MLX's loader: same arrays, same metadata."""
     snap = kv_snapshot(3, 21, mx.float16)
-    ref = tier.write(KEY, NS, 3, 21, [snap])
+    ref = tier.write(NodeId(KEY, NS, 3, 21), [snap])
     arrays, metadata = mx.load(str(tier.root / ref.path), return_metadata=True)
     want, want_meta = C.to_flat([snap])
     assert sorted(arrays) == sorted(want) and all(mx.array_equal(arrays[n], want[n]).item() for n in want)
