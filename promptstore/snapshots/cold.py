@@ -11,6 +11,7 @@ a file that fails is moved to quarantine for `tools/compact`.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -19,7 +20,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ NODE_KEY = "promptstore.node"
 SUFFIX = ".safetensors"
 TEMP_MARK = ".tmp-"
 TAG_BYTES = 4  # random bytes in a file's name, unique to the write that made it
+IOV_MAX = 1024  # buffers per pwritev (Linux's limit)
 
 
 class NodeFileMeta(BaseModel):
@@ -159,7 +161,9 @@ def write_safetensors(fd: int, arrays: dict[str, mx.array], metadata: dict[str, 
     NODE_KEY; returns the arrays' checksums. The data goes first, each array
     hashed on a hashing thread while this one writes it, then the header with
     the checksums in it (placeholders of the same length sized it)."""
-    views = {n: raw_bytes(a) if a.size else memoryview(b"") for n, a in arrays.items()}
+    nonempty = [n for n, a in arrays.items() if a.size]
+    views = dict.fromkeys(arrays, memoryview(b""))
+    views.update(zip(nonempty, raw_bytes([arrays[n] for n in nonempty])))
     table, offset = {}, 0
     for name, a in arrays.items():
         table[name] = {
@@ -176,24 +180,30 @@ def write_safetensors(fd: int, arrays: dict[str, mx.array], metadata: dict[str, 
         text += b" " * (-len(text) % 8)
         return struct.pack("<Q", len(text)) + text
 
-    sized = header(meta)
+    head = header(meta)
     hashing = _hash_pool().submit(lambda: {n: xxhash.xxh3_128_hexdigest(v) for n, v in views.items()})
-    at = len(sized)
-    for view in views.values():
-        _pwrite_all(fd, view, at)
-        at += len(view)
+    at = len(head)
+    _pwrite_all(fd, list(views.values()), at)
     sums = hashing.result()
     final = header(meta.model_copy(update={"checksums": sums}))
-    if len(final) != len(sized):
+    if len(final) != len(head):
         raise AssertionError("a checksum changed the header's length")
-    _pwrite_all(fd, memoryview(final), 0)
+    _pwrite_all(fd, [memoryview(final)], 0)
     return sums
 
 
-def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], at + done)
+def _pwrite_all(fd: int, views: list[memoryview], at: int) -> None:
+    views = [v for v in views if len(v)]
+    while views:  # pwritev may write less than asked (a signal, a full disk on the way to ENOSPC)
+        done = os.pwritev(fd, views[:IOV_MAX], at)
+        if done <= 0:
+            raise OSError(errno.EIO, "the file took no more bytes")
+        at += done
+        while views and done >= len(views[0]):
+            done -= len(views[0])
+            views.pop(0)
+        if views and done:
+            views[0] = views[0][done:]
 
 
 def _reader_thread() -> None:
@@ -255,7 +265,14 @@ class PendingLoad:
         }
         now = {n: s for n, s in sources.items() if n not in stay}
         self.nbytes = sum(s.nbytes for s in now.values())
-        self.future = _read_pool().submit(self._read, now, started)
+        if self.nbytes >= PARALLEL_HASH_BYTES:
+            self.future = _read_pool().submit(self._read, now, started)
+        else:  # less than a hand-off to a reading thread costs
+            self.future = Future()
+            try:
+                self.future.set_result(self._read(now, started))
+            except Exception as e:  # raised by result(), as from a reading thread
+                self.future.set_exception(e)
 
     def _record(self):
         rel, meta = self.rel, self.meta

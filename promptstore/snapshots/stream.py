@@ -11,12 +11,16 @@ pass, no copy of a stored array before it reaches the cache.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
 import struct
 import threading
+import time
+import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -45,7 +49,6 @@ MX_DTYPE = {v: k for k, v in SAFETENSORS_DTYPE.items()}
 # Same-size integer types: raw bytes of any dtype, and a second one to view through.
 _INTS = {1: (mx.uint8, mx.int8), 2: (mx.uint16, mx.int16), 4: (mx.uint32, mx.int32), 8: (mx.uint64, mx.int64)}
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_local = threading.local()
 
 
 def unified_memory() -> bool:
@@ -54,25 +57,20 @@ def unified_memory() -> bool:
     return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 
-def raw_bytes(array: mx.array) -> memoryview:
-    """The array's bytes, row-major, as a flat byte view (no copy when it is contiguous)."""
-    a = array.view(_INTS[array.itemsize][0])
-    mx.eval(a)
-    view = memoryview(a)
-    if not view.c_contiguous:
-        # A strided array (MLX may hand one over for a copy of a slice): the
-        # same bytes, laid out row-major first.
-        a = mx.contiguous(a)
-        mx.eval(a)
-        view = memoryview(a)
-    return view.cast("B")
-
-
-def _scratch(n: int) -> memoryview:
-    buf = getattr(_local, "scratch", None)
-    if buf is None:
-        buf = _local.scratch = memoryview(bytearray(CHUNK))
-    return buf[:n]
+def raw_bytes(arrays: list[mx.array]) -> list[memoryview]:
+    """Each array's bytes, row-major, as a flat byte view (no copy where it is contiguous)."""
+    ints = [a.view(_INTS[a.itemsize][0]) for a in arrays]
+    mx.eval(ints)  # once for all: each evaluation has a cost of its own
+    views = [memoryview(a) for a in ints]
+    strided = [i for i, v in enumerate(views) if not v.c_contiguous]
+    if strided:
+        # Strided arrays (MLX may hand one over for a copy of a slice): the same
+        # bytes, laid out row-major first.
+        flat = [mx.contiguous(ints[i]) for i in strided]
+        mx.eval(flat)
+        for i, a in zip(strided, flat):
+            views[i] = memoryview(a)
+    return [v.cast("B") for v in views]
 
 
 class SourceFile:
@@ -99,51 +97,56 @@ class Source:
     digest: str
 
 
+def _io_pool() -> ThreadPoolExecutor:
+    """Threads that only read (they never wait on other tasks), so any thread may wait on them."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(IO_THREADS, thread_name_prefix="promptstore-io"))
+        return _pool[1]
+
+
+IO_THREADS = min(8, os.cpu_count() or 1)
+PARALLEL_CHUNKS = 8  # a source this many chunks long is read on the reading threads
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
 class Pass:
-    """One read of a Source from its first byte to its last, hashed as it goes."""
+    """One read of a Source from its first byte to its last, hashed in order as it
+    arrives: chunks are read side by side on the reading threads, each hashed
+    here once it is in, while it is still in the CPU's cache."""
 
     def __init__(self, source: Source):
         self.source, self.done, self.hasher = source, 0, xxhash.xxh3_128()
 
     def take(self, spans: list[tuple[int, memoryview | None]]) -> None:
         """The next bytes of the source, span by span: (n, into) reads n bytes
-        into `into` (n long) or, when it is None, reads and drops them. Spans are
-        read a chunk at a time (one preadv each), then hashed while in cache."""
-        batch, size = [], 0
-        for n, into in spans:
-            at = 0
-            while at < n:
-                k = min(n - at, CHUNK - size)
-                batch.append(into[at : at + k] if into is not None else None)
-                batch[-1] = batch[-1] if into is not None else k
-                at, size = at + k, size + k
-                if size == CHUNK:
-                    self._run(batch, size)
-                    batch, size = [], 0
-        if batch:
-            self._run(batch, size)
-
-    def _run(self, batch: list, size: int) -> None:
-        """Read `size` bytes into the batch's views (an int: that many bytes into scratch), then hash them."""
-        scratch, used, views = _scratch(CHUNK), 0, []
-        for b in batch:
-            if isinstance(b, int):
-                views.append(scratch[used : used + b])
-                used += b
+        into `into` (n long) or, when it is None, reads and drops them."""
+        batches = list(_batches(spans))
+        side_by_side = len(batches) >= PARALLEL_CHUNKS and IO_THREADS > 1
+        reads, at = [], self.source.offset + self.done
+        for views, size in batches:
+            reads.append(_io_pool().submit(self._read, views, size, at) if side_by_side else None)
+            at += size
+        at = self.source.offset + self.done
+        for (views, size), read in zip(batches, reads):
+            if read is None:
+                self._read(views, size, at)
             else:
-                views.append(b)
-        self._read(views, size)
-        for v in views:
-            self.hasher.update(v)
+                read.result()
+            for v in views:
+                self.hasher.update(v)
+            at += size
+        self.done += sum(size for _, size in batches)
 
-    def _read(self, views: list[memoryview], size: int) -> None:
+    def _read(self, views: list[memoryview], size: int, at: int) -> None:
         src, got = self.source, 0
         while got < size:
-            n = os.preadv(src.file.fd, _after(views, got), src.offset + self.done + got)
+            n = os.preadv(src.file.fd, _after(views, got), at + got)
             if n <= 0:
                 raise ColdFileError(f"{src.file.rel}: ends inside array {src.name!r}", "unreadable", src.file.rel)
             got += n
-        self.done += got
 
     def check(self) -> None:
         src = self.source
@@ -151,6 +154,22 @@ class Pass:
             raise ColdFileError(f"{src.file.rel}: array {src.name!r} read in part", "unreadable", src.file.rel)
         if self.hasher.hexdigest() != src.digest:
             raise ColdFileError(f"{src.file.rel}: array {src.name!r} fails its checksum", "checksum", src.file.rel)
+
+
+def _batches(spans: list[tuple[int, memoryview | None]]):
+    """(views, bytes) of about CHUNK bytes each, in order; spans to drop get scratch memory of their own."""
+    views, size = [], 0
+    for n, into in spans:
+        at = 0
+        while at < n:
+            k = min(n - at, CHUNK - size)
+            views.append(into[at : at + k] if into is not None else memoryview(bytearray(k)))
+            at, size = at + k, size + k
+            if size == CHUNK:
+                yield views, size
+                views, size = [], 0
+    if views:
+        yield views, size
 
 
 def _after(views: list[memoryview], skip: int) -> list[memoryview]:
@@ -186,12 +205,34 @@ class Tensor:
         return math.prod(self.shape) * self.dtype.size
 
 
+# MLX's reader of a file object lets go of it on MLX's own reading thread, taking
+# the GIL; doing that while the interpreter exits aborts the process. So an exit
+# first waits (briefly) until MLX has let go of every Feed.
+_held_by_mlx = [0]
+_held_lock = threading.Lock()
+
+
+def _let_go() -> None:
+    with _held_lock:
+        _held_by_mlx[0] -= 1
+
+
+@atexit.register
+def _settle() -> None:
+    deadline = time.monotonic() + 2.0
+    while _held_by_mlx[0] > 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 class Feed:
     """A safetensors file object for `mx.load` whose arrays are filled by callbacks."""
 
     closed = False
 
     def __init__(self, tensors: list[Tensor]):
+        with _held_lock:
+            _held_by_mlx[0] += 1
+        weakref.finalize(self, _let_go).atexit = False  # counted down by MLX letting go, not by the exit
         table, offset, self._at = {}, 0, {}
         for t in tensors:
             table[t.name] = {
