@@ -25,6 +25,7 @@ from .base import (
     headroom,
     rewind_plan,
 )
+from .join import join
 from .snapshot import Snapshot, own
 
 AXIS = 2
@@ -131,7 +132,7 @@ class RangeKind(SnapshotProtocol):
         pieces = self._gather(chain, lo, target)
         if pieces is None:
             return None
-        buffers = {n: mx.concatenate(p, axis=AXIS) for n, p in pieces.items()}
+        buffers = {n: join(p, AXIS) for n, p in pieces.items()}  # pieces may still be on disk
         return self.plan_install(buffers, lo, target, chain[-1])
 
     def _segments(self, chain: list[Snapshot]):

@@ -281,17 +281,21 @@ def test_every_directory_is_private(tier):
 # Regression (was a defect): cold.py write(): mx.save_safetensors creates the temp file 0644 and
 # writes the whole snapshot before os.chmod makes it 0600
 def test_snapshot_bytes_are_never_in_a_readable_file(tier, monkeypatch):
+    from promptstore.snapshots import cold
+
     seen = []
-    real = mx.save_safetensors
+    real = cold.write_safetensors
 
-    def spy(path, arrays, metadata=None):
-        real(path, arrays, metadata)
-        seen.append(stat.S_IMODE(os.stat(path).st_mode))
+    def spy(fd, *args):
+        seen.append(stat.S_IMODE(os.fstat(fd).st_mode))  # before the first byte
+        out = real(fd, *args)
+        seen.append(stat.S_IMODE(os.fstat(fd).st_mode))
+        return out
 
-    monkeypatch.setattr(mx, "save_safetensors", spy)
+    monkeypatch.setattr(cold, "write_safetensors", spy)
     with umask(0o022):
         put(tier, [driver_snapshot("kv", 0)])
-    assert seen and all(m & 0o077 == 0 for m in seen), [oct(m) for m in seen]
+    assert len(seen) == 2 and all(m & 0o077 == 0 for m in seen), [oct(m) for m in seen]
 
 
 # --- damaged files -------------------------------------------------------------------
@@ -930,15 +934,18 @@ def test_a_damaged_array_of_a_large_file_is_caught(tier, which):
 def test_a_file_truncated_after_its_header_check_is_unreadable(tier, monkeypatch, cut):
     """Another process truncated the file between the header check and MLX's
     read: a miss, never an exception from MLX's reading thread."""
+    from promptstore.snapshots import cold
+
     snaps = _big_snapshots(layers=2)
     ref = put(tier, snaps)
-    real_load = mx.load
+    real_open = cold.open_checked
 
-    def truncated_first(path):
+    def truncated_after(path):
+        opened = real_open(path)
         os.truncate(path, int(os.path.getsize(path) * cut))
-        return real_load(path)
+        return opened
 
-    monkeypatch.setattr(mx, "load", truncated_first)
+    monkeypatch.setattr(cold, "open_checked", truncated_after)
     assert outcome(tier, ref.path, snaps) in {"cold:unreadable", "cold:checksum"}
 
 
