@@ -150,6 +150,56 @@ def store_on_a(model, prompt: mx.array, prefix: int, url: str, path: Path) -> di
     return dict(remote.counts)
 
 
+# --- the fetch alone, against a local cold hit ------------------------------------------
+
+
+def filled_cache(model, tokens: int) -> list:
+    """A cache holding `tokens` positions of random KV of the model's shapes (what a
+    fetch moves does not depend on the values; prefilling 8k tokens on CPU takes minutes)."""
+    cache = make_prompt_cache(model)
+    args = model.args
+    shape = (1, args.num_key_value_heads, tokens, args.head_dim)
+    for i, c in enumerate(cache):
+        k1, k2 = mx.random.split(mx.random.key(i))
+        c.update_and_fetch(mx.random.normal(shape, key=k1), mx.random.normal(shape, key=k2))
+    mx.eval([a for c in cache for a in c.state])
+    return cache
+
+
+def fetch_alone(args, tmp: Path, port: int) -> dict:
+    """B's fetch of A's prefix (the remote hit, kept locally) at each latency,
+    alternating with a local cold hit of the same prefix (a restarted store with
+    no hot tier: verified file load), the ceiling a remote hit approaches."""
+    direct = f"redis://127.0.0.1:{port}/0"
+    model = llama_1b_shape(args.layers, dtype=mx.float32, vocab_size=512)
+    prompt = mx.random.randint(0, 512, (args.prefix + args.suffix,), key=mx.random.key(8))
+    with PromptStore.open(tmp / "fa", remote_url=direct) as store:
+        store.bind(model, model_id="bench").insert(prompt[: args.prefix], filled_cache(model, args.prefix))
+    proxies = {ms: (direct if ms == 0 else DelayProxy(port, ms / 1000).url) for ms in args.latency_ms}
+    samples = {f"remote_{ms:g}ms": [] for ms in proxies} | {"local_cold": []}
+    for i in range(args.fetch_runs):
+        for ms, url in proxies.items():
+            with PromptStore.open(tmp / f"fb{i}-{ms}", remote_url=url, remote_timeout=5.0) as store:
+                space = store.bind(model, model_id="bench")
+                t0 = time.perf_counter()
+                hit = space.fetch(prompt)
+                mx.eval([a for c in hit.cache for a in c.state])
+                samples[f"remote_{ms:g}ms"].append(time.perf_counter() - t0)
+                assert hit.remote_tokens == args.prefix, hit.remote_tokens
+            shutil.rmtree(tmp / f"fb{i}-{ms}", ignore_errors=True)
+        with PromptStore.open(tmp / "fa", hot_bytes=0) as store:
+            space = store.bind(model, model_id="bench")
+            t0 = time.perf_counter()
+            hit = space.fetch(prompt)
+            mx.eval([a for c in hit.cache for a in c.state])
+            samples["local_cold"].append(time.perf_counter() - t0)
+            assert hit.length == args.prefix and hit.cold_nodes == 1
+    out = {name: summarize(v) for name, v in samples.items()}
+    for name in out:
+        out[name]["over_local_cold"] = out[name]["median_s"] / out["local_cold"]["median_s"]
+    return out
+
+
 # --- round trips per lookup and publish throughput --------------------------------------
 
 
@@ -180,17 +230,16 @@ def round_trips(url: str, port: int, tmp: Path, lengths: list[int]) -> list[dict
 
 
 def publish_throughput(model, url: str, port: int, tmp: Path, nodes: int, node_tokens: int, runs: int) -> dict:
-    """Publishes of `nodes` filed nodes (each a separate prompt of `node_tokens`),
-    timed on the publishing thread's own code path, server emptied between runs."""
+    """Publishes of `nodes` filed nodes (each a separate prompt of `node_tokens`, KV
+    filled directly), timed on the publishing thread's own code path (read the file,
+    seal, SET blob and records), the server emptied between runs."""
     client = redis.Redis(port=port)
     with PromptStore.open(tmp / "pub", durability="sync") as store:  # no remote: files only
         space = store.bind(model, model_id="bench")
         keys = []
         for i in range(nodes):
             prompt = mx.random.randint(0, 512, (node_tokens,), key=mx.random.key(1000 + i))
-            cache = make_prompt_cache(model)
-            prefill(model, cache, prompt)
-            space.insert(prompt, cache)
+            space.insert(prompt, filled_cache(model, node_tokens))
             keys.append(store.index.lookup(space.namespace, np.array(prompt)).path[-1].key)
     with PromptStore.open(tmp / "pub", remote_url=url) as store:
         tiers = store.tiers
@@ -223,6 +272,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="layers of the Llama-3.2-1B-shaped model")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--latency-ms", type=float, nargs="*", default=[0.0, 1.0, 10.0])
+    parser.add_argument("--fetch-runs", type=int, default=7, help="alternating runs of the fetch alone")
+    parser.add_argument("--skip-ttft", action="store_true", help="skip the TTFT runs (minutes of CPU prefill)")
     parser.add_argument("--out", default="bench-results/remote.json")
     args = parser.parse_args(argv)
     blas = blas_info()
@@ -247,6 +298,15 @@ def run(args, tmp: Path, port: int) -> dict:
     direct = f"redis://127.0.0.1:{port}/0"
     model = llama_1b_shape(args.layers, dtype=mx.float32, vocab_size=512)
     prompt = mx.random.randint(0, 512, (args.prefix + args.suffix,), key=mx.random.key(7))
+    fetch = fetch_alone(args, tmp, port)
+    rest = {
+        "fetch_alone": fetch,
+        "round_trips_by_length": round_trips(direct, port, tmp, [256, 1024, 4096, 16384, 65536]),
+        "publish_large": publish_throughput(model, direct, port, tmp / "pl", 2, 4096, 3),
+        "publish_small": publish_throughput(tiny_model("llama", vocab_size=512), direct, port, tmp / "ps", 64, 64, 5),
+    }
+    if args.skip_ttft:
+        return {"model": f"Llama-3.2-1B-shaped, {args.layers} layers, float32", **rest}
     published = store_on_a(model, prompt, args.prefix, direct, tmp / "a")
     proxies = {ms: (direct if ms == 0 else DelayProxy(port, ms / 1000).url) for ms in args.latency_ms}
     recompute, remote, trips = [], {ms: [] for ms in proxies}, {}
@@ -264,23 +324,26 @@ def run(args, tmp: Path, port: int) -> dict:
         }
         for ms, samples in remote.items()
     }
-    lengths = [256, 1024, 4096, 16384, 65536]
     return {
         "model": f"Llama-3.2-1B-shaped, {args.layers} layers, float32",
         "blob_bytes": published.get("remote_published_bytes", 0),
         "recompute": base,
         "remote_hit": ttft,
-        "round_trips_by_length": round_trips(direct, port, tmp, lengths),
-        "publish_large": publish_throughput(model, direct, port, tmp / "pl", 2, 4096, args.runs),
-        "publish_small": publish_throughput(tiny_model("llama", vocab_size=512), direct, port, tmp / "ps", 64, 64, 5),
+        **rest,
     }
 
 
 def report(r: dict) -> None:
-    base = r["recompute"]["median_s"]
-    print(f"model: {r['model']}; blob {r['blob_bytes'] / 1e6:.1f} MB")
-    print(f"  B recomputes the prompt: TTFT median {base:.3f} s")
-    for name, row in r["remote_hit"].items():
+    print(f"model: {r['model']}")
+    print("  fetch alone (alternating runs):")
+    for name, row in r["fetch_alone"].items():
+        print(
+            f"    {name:>14}: median {row['median_s'] * 1e3:7.1f} ms = {row['over_local_cold']:.2f}x a local cold hit"
+        )
+    for name, row in r.get("remote_hit", {}).items():
+        if name == next(iter(r["remote_hit"])):
+            base = r["recompute"]["median_s"]
+            print(f"  blob {r['blob_bytes'] / 1e6:.1f} MB; B recomputes the prompt: TTFT median {base:.3f} s")
         med = row["time"]["median_s"]
         print(
             f"  B hits A's prefix, {name:>5} added per round trip: TTFT median {med:.3f} s "
