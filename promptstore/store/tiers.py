@@ -395,10 +395,14 @@ class Tiers:
         def entry(n: Node):
             return (value(n.record.prefill_seconds, n.record.hits, n.record.nbytes, ages[n.key]), ages[n.key], n.key)
 
-        heap = [entry(n) for n in filed if self.index.is_leaf(n.key)]
+        # The access order is read in batches while other processes re-stamp it, so
+        # a node may be listed twice: each is pushed once, and one popped twice is skipped.
+        heap = [entry(n) for n in nodes.values() if self.index.is_leaf(n.key)]
         heapq.heapify(heap)
         while total > budget and heap:
-            victim = nodes.pop(heapq.heappop(heap)[2])
+            victim = nodes.pop(heapq.heappop(heap)[2], None)
+            if victim is None:
+                continue
             if self.filing.retire(self.index.namespace(victim.namespace), victim.id) is None:
                 continue  # another process changed it meanwhile
             self.forget(victim.key)
