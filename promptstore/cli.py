@@ -254,12 +254,32 @@ def _store_totals(root: Path) -> dict:
 
     with Index.open(root / "index", readonly=True) as index:
         stats = index.stats()
+        remote = _remote_figures(root, index)
     return {
         "store": str(root),
         "view": "totals over every namespace",
         **{k: stats[k] for k in ("nodes", "tokens_stored", "nbytes", "hits", "misses", "tokens_served")},
         "index_bytes": stats["used_bytes"],
+        **({"remote": remote} if remote is not None else {}),
     }
+
+
+def _remote_figures(root: Path, index) -> dict | None:
+    """With a remote tier (remote_url): what this store published, and how much of it
+    is stale (gone from the server, or no longer held here)."""
+    from .config import Settings
+
+    settings = Settings.from_env()
+    if settings.remote_url is None:
+        return None
+    from .snapshots.remote.tier import connect, ledger_summary
+
+    try:
+        client = connect(settings.remote_url, settings.remote_timeout)
+        client.ping()
+    except Exception:  # unreachable: the server's columns are unknown
+        client = None
+    return ledger_summary(root, client, lambda key: index.get(key) is not None)
 
 
 def _namespace_figures(root: Path, args) -> dict:
@@ -323,6 +343,10 @@ def _print_figures(figures: dict) -> None:
     table.add_column(justify="right")
     for key, value in figures.items():
         if key in ("store", "view"):
+            continue
+        if key == "remote":  # what this store published to the remote tier
+            for name, n in value.items():
+                table.add_row(f"remote: {name.replace('_', ' ')}", "?" if n is None else f"{n:,}")
             continue
         if isinstance(value, int):
             value = f"{value / 2**20:.1f} MiB" if key.endswith("bytes") else f"{value:,}"

@@ -129,6 +129,14 @@ def _print(console: Console, report) -> None:
         table.add_row(reason, str(row["nodes"]), str(row["files"]), str(row["bytes"]))
     table.add_row("after", *(str(report.after.get(k, 0)) for k in ("nodes", "files", "bytes")))
     console.print(table)
+    if report.remote is not None:
+        r = report.remote
+        console.print(
+            f"remote tier: {r['published']} blobs published ({r['published_bytes']} bytes), "
+            f"{r['on_server'] if r['on_server'] is not None else '?'} still on the server, "
+            f"{r['local_gone']} no longer held here",
+            highlight=False,
+        )
     for line in report.skipped:
         console.print(f"skipped: {line}")
     for line in report.errors:

@@ -27,6 +27,7 @@ from ..errors import (
 )
 from ..index import Index
 from ..snapshots.cold import TEMP_MARK
+from ..snapshots.remote.tier import prune_ledger
 from .store import PromptStore
 
 # Files younger than this may be a spill whose index entry is being written.
@@ -44,6 +45,7 @@ class CompactReport:
     skipped: list = field(default_factory=list)
     errors: list = field(default_factory=list)
     seconds: float = 0.0
+    remote: dict | None = None  # with a remote tier: what this store published, what is stale
 
     def add(self, reason: str, nodes: int = 0, files: int = 0, nbytes: int = 0) -> None:
         row = self.actions.setdefault(reason, {"nodes": 0, "files": 0, "bytes": 0})
@@ -303,6 +305,18 @@ class Compactor:
                     self.index.bump(ns, **drift)
                 self.report.add("counters", nodes=len(drift))
 
+    def remote_ledger(self) -> None:
+        """With a remote tier: forget published blobs the server no longer has, and
+        report what this store published and what of it is stale."""
+        remote = self.tiers.remote
+        if remote is None:
+            return
+        if not self.dry and remote.available():
+            dropped = prune_ledger(self.store.path, remote.client)
+            if dropped:
+                self.report.add("remote blobs gone from the server", files=dropped)
+        self.report.remote = remote.summary(lambda key: self.index.get(key) is not None)
+
     @property
     def idle(self) -> bool:
         return self.store.exclusive
@@ -344,6 +358,7 @@ def compact(
         if max_bytes is not None:
             steps.append(lambda: work.budget(max_bytes))
         steps.append(work.counters)
+        steps.append(work.remote_ledger)
         for step in steps:
             try:
                 step()

@@ -51,7 +51,7 @@ def test_reading_settings_warns(caplog, monkeypatch):
     monkeypatch.setattr(config, "_warned", set())
     monkeypatch.setenv("PROMPTSTORE_CHECKPOINT_INTERVALS", "8")
     with caplog.at_level(logging.WARNING, logger="promptstore.config"):
-        assert Settings.from_env().checkpoint_interval == 1024
+        assert Settings.from_env().checkpoint_interval == Settings.model_fields["checkpoint_interval"].default
     assert "did you mean PROMPTSTORE_CHECKPOINT_INTERVAL?" in caplog.text
 
 

@@ -1,6 +1,8 @@
 """Two stores on two paths sharing one Redis: what A inserts, B restores with
 fidelity; B keeps what it fetched; lookups cost a bounded number of round trips."""
 
+import os
+
 import pytest
 
 import promptstore
@@ -76,3 +78,35 @@ def test_publish_threshold_and_what_this_store_published(tmp_path, redis_server,
     with promptstore.PromptStore.open(tmp_path / "c", remote_url=redis_server.url) as c:
         summary = c.tiers.remote.summary(lambda key: c.index.get(key) is not None)
         assert (summary["published"], summary["evicted"], summary["local_gone"]) == (1, 1, 0)
+
+
+def test_stats_and_compact_know_the_remote_tier(tmp_path, redis_server, model_of):
+    """What a store published shows in `stats` (operator view) and in compact's report,
+    and compact forgets blobs the server no longer has."""
+    import json
+    import subprocess
+    import sys
+
+    from promptstore.store.compact import compact
+
+    model = model_of("llama")
+    publish(tmp_path / "a", redis_server.url, model, prompt_tokens(300, seed=31))
+    env = {**os.environ, "PROMPTSTORE_REMOTE_URL": redis_server.url, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "promptstore", "stats", "--store", str(tmp_path / "a"), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    remote = json.loads(out.stdout)["remote"]
+    assert remote["published"] >= 1 and remote["on_server"] == remote["published"] and remote["evicted"] == 0
+    redis_server.client().flushall()  # the server restarted empty, or evicted everything
+    os.environ["PROMPTSTORE_REMOTE_URL"] = redis_server.url
+    try:
+        report = compact(tmp_path / "a")
+    finally:
+        del os.environ["PROMPTSTORE_REMOTE_URL"]
+    assert report.actions["remote blobs gone from the server"]["files"] == remote["published"]
+    assert report.remote["published"] == 0
