@@ -36,9 +36,6 @@ from .filing import Filing, filed
 
 log = logging.getLogger("promptstore.store")
 
-# Restores that read cold arrays straight into the restored cache (see _start_load).
-STREAMED_RESTORES = False
-
 
 @dataclass(frozen=True)
 class Report:
@@ -278,13 +275,10 @@ class Tiers:
             return None
         if record.file is None:
             return None
-        # For a restore, a node the hot tier will not keep could be left for the
-        # restore to read straight into the cache it builds (cold.start_load's
-        # `deferred`). Off: a whole-suite run under heavy load hung once inside an
-        # MLX evaluation of such a restore (a fill callback MLX makes mid-load), and
-        # the fix that followed has not yet been run under load. Every node is read
-        # into arrays of its own, streamed and checksummed as it is read.
-        deferred = STREAMED_RESTORES and for_restore and record.nbytes > self.hot.budget
+        # For a restore, a node the hot tier will not keep is left for the restore
+        # to read straight into the cache it builds; one it keeps is read into
+        # arrays of its own (a later hit is hot).
+        deferred = for_restore and record.nbytes > self.hot.budget
         return self.cold.start_load(record.file, node.id, deferred)
 
     def _finish_load(self, node: Node, pending) -> list[Snapshot] | None:
