@@ -353,12 +353,10 @@ def assemble(pieces: list, axis: int) -> mx.array:
     stored pieces is loaded as one array and the runs joined on the device."""
     if axis != 2 or any(p.ndim != 4 for p in pieces):
         raise ValueError("stored pieces join along axis 2 of [B, H, positions, D] arrays")
+    ready = [p for p in pieces if isinstance(p, mx.array)]
+    mx.eval(ready)  # before the load: MLX calls back into fills mid-load
     if unified_memory():
-        # Byte views of the pieces in memory, evaluated before the load (MLX calls
-        # back into the fill mid-load), all in one evaluation.
-        views = {i: p.view(_INTS[p.itemsize][0]) for i, p in enumerate(pieces) if isinstance(p, mx.array)}
-        mx.eval(list(views.values()))
-        return _load_joined(pieces, [_row_view(views[i], p) if i in views else p for i, p in enumerate(pieces)])
+        return _load_joined(pieces, [_row_view(p) if isinstance(p, mx.array) else p for p in pieces])
     parts, run = [], []
     for p in [*pieces, None]:
         if isinstance(p, StoredArray):
@@ -372,11 +370,11 @@ def assemble(pieces: list, axis: int) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 
-def _row_view(ints: mx.array, a: mx.array) -> np.ndarray:
-    """`a`, through `ints` (its evaluated integer view), as (B * H, positions, row
-    bytes): a view of its buffer where the layout allows."""
+def _row_view(a: mx.array) -> np.ndarray:
+    """An evaluated array as (B * H, positions, row bytes), a view where the layout allows."""
     b, h, n, d = a.shape
-    return np.asarray(memoryview(ints)).view(np.uint8).reshape(b * h, n, d * a.itemsize)
+    rows = np.asarray(memoryview(a.view(_INTS[a.itemsize][0])))
+    return rows.view(np.uint8).reshape(b * h, n, d * a.itemsize)
 
 
 def _load_joined(pieces: list, sources: list) -> mx.array:

@@ -40,7 +40,7 @@ from promptstore import PromptStore  # noqa: E402
 from promptstore.caches import make_prompt_cache, snapshot_prompt_cache  # noqa: E402
 from promptstore.identity import NodeId  # noqa: E402
 from promptstore.snapshots.cold import ColdTier  # noqa: E402
-from promptstore.testing.models import llama_1b_shape, tiny_model  # noqa: E402
+from promptstore.testing.models import tiny_model  # noqa: E402
 
 MODEL_ID = "bench-cold"
 
@@ -62,15 +62,13 @@ class Profile:
     runs: int
     restore_runs: int
     note: str
-    large: tuple[int, int] | None = None  # (layers, tokens): also a restore alone of Llama-3.2-1B-shaped fp16 KV
 
 
 PROFILES = {
     "cpu": Profile(
         "cpu", 2, 2048, 32, 8, 64, 8192, 4096, "float32", 2048, 64, 512, 3, 9,
         "float32 on CPU with OpenBLAS (fp16 matmul has no fast CPU kernel); 2 layers of Llama-3.2-1B's shape; "
-        "a 2,048-token prefix plus 64 new tokens; restore alone also on 16 layers x 4,096 tokens of fp16 KV",
-        (16, 4096),
+        "a 2,048-token prefix plus 64 new tokens",
     ),
     "quick": Profile(
         "quick", 1, 256, 4, 2, 64, 512, 512, "float32", 256, 16, 128, 2, 3, "smoke run: figures meaningless"
@@ -195,15 +193,11 @@ def read_rate(path: Path, chunk: int = 8 << 20) -> float:
 
 
 def dd_rate(path: Path) -> float | None:
-    """GB/s that dd reports reading `path` (its own timing, without starting the process)."""
     try:
-        done = subprocess.run(
-            ["dd", f"if={path}", "of=/dev/null", "bs=8M"], capture_output=True, text=True, timeout=600
-        )
-        line = [ln for ln in done.stderr.splitlines() if "copied" in ln][-1]  # "N bytes (...) copied, S s, R"
-        nbytes, seconds = int(line.split()[0]), float(line.split("copied,")[1].split()[0])
-        return nbytes / seconds / 1e9 if seconds > 0 else None
-    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        t0 = time.perf_counter()
+        subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=8M"], capture_output=True, timeout=600, check=True)
+        return path.stat().st_size / (time.perf_counter() - t0) / 1e9
+    except (OSError, subprocess.SubprocessError):
         return None
 
 
@@ -341,20 +335,16 @@ def restore_alone(root: Path, model, tokens, p: Profile, kv_bytes: int, tmp: Pat
     dropped = []
     for _ in range(max(2, p.restore_runs // 3)):
         drop_page_cache(root / "cold", drop)
-        dropped.append(_time(fetch)[0])
+        dropped.append(_time(fetch))
     store.close()
-    wall = {k: [w for w, _ in v] for k, v in timed.items()}
-    cpu = {k: float(np.median([c for _, c in v])) for k, v in timed.items()}
-    f, m = float(np.median(wall["fetch"])), float(np.median(wall["mx.load"]))
+    f, m = float(np.median(timed["fetch"])), float(np.median(timed["mx.load"]))
     return {
         "bytes": nbytes,
         "kv_bytes": kv_bytes,
-        "fetch_warm": summarize(wall["fetch"]),
-        "mx_load_warm": summarize(wall["mx.load"]),
+        "fetch_warm": summarize(timed["fetch"]),
+        "mx_load_warm": summarize(timed["mx.load"]),
         "fetch_dropped": summarize(dropped),
         "restore_vs_mx_load": f / m,
-        "cpu_seconds_median": cpu,
-        "restore_vs_mx_load_cpu_time": cpu["fetch"] / cpu["mx.load"],
         "restore_gbps_warm": nbytes / f / 1e9,
         "restore_gbps_dropped": nbytes / float(np.median(dropped)) / 1e9,
         "mx_load_gbps": nbytes / m / 1e9,
@@ -366,36 +356,15 @@ def state_arrays(cache) -> list[mx.array]:
     return [a for c in cache for a in c.state if isinstance(a, mx.array)]
 
 
-def _time(fn) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds) of fn()."""
+def _time(fn) -> float:
     mx.synchronize()
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0 = time.perf_counter()
     fn()
     mx.synchronize()
-    return time.perf_counter() - t0, time.process_time() - c0
+    return time.perf_counter() - t0
 
 
-def restore_large(p: Profile, tmp: Path, drop: str) -> dict:
-    """restore_alone on `p.large` (layers, tokens) of Llama-3.2-1B-shaped fp16 KV,
-    stored from random values (no model runs)."""
-    layers, n = p.large
-    model = llama_1b_shape(layers, dtype=mx.float16, vocab_size=512)
-    tokens = np.random.default_rng(6).integers(16, 512, n + 1).tolist()
-    root = tmp / "store-large"
-    with PromptStore.open(root) as store:
-        space = store.bind(model, model_id=MODEL_ID)
-        cache = make_prompt_cache(model)
-        for i, c in enumerate(cache):
-            k = mx.random.normal((1, 8, n, 64), key=mx.random.key(i)).astype(mx.float16)
-            c.update_and_fetch(k, k)
-        space.insert(tokens[:n], cache)
-    kv_bytes = sum(a.nbytes for a in state_arrays(cache))
-    write = writes(cache, p, tmp, n)
-    del cache
-    return {**restore_alone(root, model, tokens, p, kv_bytes, tmp, drop), "writes": write}
-
-
-def writes(cache, p: Profile, tmp: Path, tokens: int | None = None) -> dict:
+def writes(cache, p: Profile, tmp: Path) -> dict:
     """The cold tier's write of the prefix's snapshots against mlx-lm's
     save_prompt_cache of the cache, each to a new file, paired."""
     snaps = snapshot_prompt_cache(cache, 0)
@@ -406,7 +375,7 @@ def writes(cache, p: Profile, tmp: Path, tokens: int | None = None) -> dict:
 
     def cold(fsync: bool):
         tier = tiers[fsync]
-        ref = tier.write(NodeId(next(counter).to_bytes(16, "big"), b"\0" * 16, 0, tokens or p.prefix), snaps)
+        ref = tier.write(NodeId(next(counter).to_bytes(16, "big"), b"\0" * 16, 0, p.prefix), snaps)
         return tier.root / ref.path
 
     def mlx_lm(fsync: bool):
@@ -455,12 +424,10 @@ def main(argv=None) -> int:
     if p.name != "cuda" and (warning := blas_warning(blas)):
         print(warning, file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix="promptstore-cold-", dir=args.dir))
-    load_before = os.getloadavg()
     try:
         doc = run(p, tmp, args.drop)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    doc["load_average"] = {"before": load_before, "after": os.getloadavg(), "cores": os.cpu_count()}
     out = write_results(args.out or f"bench-results/cold-{p.name}.json", doc, blas)
     print(f"wrote {out}")
     return 0
@@ -482,8 +449,6 @@ def run(p: Profile, tmp: Path, drop: str) -> dict:
     limits = host_limits(files, drop)
     rows = ttft_rows(root, model, tokens, p, kv_bytes, drop)
     restore = restore_alone(root, model, tokens, p, kv_bytes, tmp, drop)
-    if p.large:
-        restore["large"] = restore_large(p, tmp, drop)
     return report(p, device, drop, kv_bytes, rows, restore, write, limits)
 
 
@@ -547,17 +512,8 @@ def goals(d: dict) -> list[dict]:
         ("cold hit, page cache warm <= 0.5x full prefill", d["cold_warm_ttft_s"] / d["prefill_ttft_s"], 0.5),
         ("cold hit, page cache dropped <= 1.0x full prefill", d["cold_disk_ttft_s"] / d["prefill_ttft_s"], 1.0),
         ("restore alone <= 1.5x mx.load of the same bytes", d["restore_vs_mx_load"], 1.5),
-        *(
-            [("restore alone, large KV <= 1.5x mx.load", d["restore_alone"]["large"]["restore_vs_mx_load"], 1.5)]
-            if "large" in d["restore_alone"]
-            else []
-        ),
         ("write >= mlx-lm save_prompt_cache (ratio of GB/s)", d["write_gbps_no_fsync"] / d["mlx_lm_save_gbps"], None),
     ]
-    if "large" in d["restore_alone"]:
-        w = d["restore_alone"]["large"]["writes"]["rows"]
-        ratio = w["cold write (promptstore, no fsync)"]["gbps"] / w["save_prompt_cache (mlx-lm)"]["gbps"]
-        rows.append(("write, large KV >= mlx-lm save_prompt_cache (ratio of GB/s)", ratio, None))
     out = []
     for goal, value, limit in rows:
         met = value <= limit if limit is not None else value >= 1.0
@@ -578,15 +534,6 @@ def print_table(d: dict) -> None:
         f"{r['mx_load_warm']['median_s'] * 1e3:.1f} ms ({r['mx_load_gbps']:.2f} GB/s): {r['restore_vs_mx_load']:.2f}x; "
         f"page cache dropped {r['restore_gbps_dropped']:.2f} GB/s"
     )
-    if "large" in r:
-        g = r["large"]
-        print(
-            f"restore alone, {g['bytes'] / 2**20:.0f} MiB: {g['fetch_warm']['median_s'] * 1e3:.1f} ms "
-            f"({g['restore_gbps_warm']:.2f} GB/s) vs mx.load {g['mx_load_warm']['median_s'] * 1e3:.1f} ms: "
-            f"{g['restore_vs_mx_load']:.2f}x (CPU time {g['restore_vs_mx_load_cpu_time']:.2f}x)"
-        )
-        for name, row in g["writes"]["rows"].items():
-            print(f"  {name:38} {row['median_s'] * 1e3:9.1f} ms {row['gbps']:6.2f} GB/s")
     print("host:", {k: round(v, 2) if isinstance(v, float) else v for k, v in d["host_limits"].items()})
     for name, row in d["writes"]["rows"].items():
         print(f"{name:40} {row['median_s'] * 1e3:9.1f} ms {row['gbps']:6.2f} GB/s")
