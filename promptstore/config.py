@@ -67,14 +67,6 @@ class Settings(BaseModel):
         0.0, ge=0, description="publish only nodes whose prefill time saved is at least this (0: every node)"
     )
     remote_close_seconds: float = Field(10.0, ge=0, description="how long close() waits for queued publishes")
-    cold_plan: Literal["auto", "load"] = Field(
-        "auto",
-        description="auto: serve a hit's cold nodes by loading, recomputing or both at once, whichever the "
-        "namespace's measured rates say is first; load: always load them",
-    )
-    cold_plan_margin: float = Field(
-        0.02, ge=0, description="seconds a plan other than loading must be expected to save to be chosen"
-    )
 
     @field_validator("file_mode", "dir_mode")
     @classmethod

@@ -14,11 +14,6 @@ import mlx.core as mx
 import pytest
 
 from promptstore import caches as C
-
-# Whether a cold hit is loaded, recomputed or both depends on rates measured as the
-# store runs, so on a loaded machine the same test could take another plan: tests
-# load (processes they start inherit it); tests/store/test_cold_plan.py tests the plan.
-os.environ.setdefault("PROMPTSTORE_COLD_PLAN", "load")
 from promptstore.testing import models
 
 

@@ -25,7 +25,6 @@ from .base import (
     headroom,
     rewind_plan,
 )
-from .join import join
 from .snapshot import Snapshot, own
 
 AXIS = 2
@@ -132,7 +131,7 @@ class RangeKind(SnapshotProtocol):
         pieces = self._gather(chain, lo, target)
         if pieces is None:
             return None
-        buffers = {n: join(p, AXIS) for n, p in pieces.items()}  # pieces may still be on disk
+        buffers = {n: mx.concatenate(p, axis=AXIS) for n, p in pieces.items()}
         return self.plan_install(buffers, lo, target, chain[-1])
 
     def _segments(self, chain: list[Snapshot]):

@@ -29,7 +29,6 @@ from .base import (
     headroom,
     rewind_plan,
 )
-from .join import join
 from .registry import kind_class, register
 from .snapshot import Snapshot, own
 from .window import Source, build, clip, needed, sources, take
@@ -134,8 +133,7 @@ class RotatingKVCache(SnapshotProtocol, mlx_cache.RotatingKVCache):
             parts = [p[i] for p in pieces]
             if room:
                 parts.append(mx.zeros((*parts[0].shape[:2], room, parts[0].shape[3]), dtype=parts[0].dtype))
-            # Pieces may still be on disk (a cold tier's stored arrays): join reads them in place.
-            plan[name] = join(parts, 2) if len(parts) > 1 or not isinstance(parts[0], mx.array) else own(parts[0])
+            plan[name] = mx.concatenate(parts, axis=2) if len(parts) > 1 else own(parts[0])
         return plan
 
     def _plan_rewind(self, target: int):

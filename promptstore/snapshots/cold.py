@@ -11,17 +11,13 @@ a file that fails is moved to quarantine for `tools/compact`.
 
 from __future__ import annotations
 
-import errno
-import functools
 import json
 import os
 import secrets
 import stat
-import struct
 import threading
-import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,18 +26,15 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..caches import FORMAT_VERSION, Snapshot, from_flat, to_flat
-from ..caches.join import token_array_names
 from ..caches.serialize import METADATA_KEY, READABLE_VERSIONS, parse_record
 from ..errors import CacheError, ColdFileError, DiskWriteError
 from ..identity import NodeId
-from .safetensors_header import open_checked
-from .stream import MX_DTYPE, SAFETENSORS_DTYPE, Feed, Source, SourceFile, StoredArray, Tensor, raw_bytes, read_whole
+from .safetensors_header import read_header
 
 NODE_KEY = "promptstore.node"
 SUFFIX = ".safetensors"
 TEMP_MARK = ".tmp-"
 TAG_BYTES = 4  # random bytes in a file's name, unique to the write that made it
-IOV_MAX = 1024  # buffers per pwritev (Linux's limit)
 
 
 class NodeFileMeta(BaseModel):
@@ -126,14 +119,13 @@ def _row_major_bytes(array: mx.array) -> memoryview:
     return memoryview(flat)
 
 
-def checked_open(path: Path, rel: str):
-    """(the open file, its safetensors header, metadata, where its data starts), or
-    ColdFileError; the data is read later from this same open file."""
+def checked_header(path: Path, rel: str):
+    """The file's safetensors header and metadata, or ColdFileError (nothing read past it)."""
     try:
         kind = _kind(os.lstat(path).st_mode)
         if kind != "file":
             raise ColdFileError(f"{rel}: a {kind}, not a snapshot file", "not a file", rel)
-        return open_checked(path)
+        return read_header(path)
     except FileNotFoundError:
         raise ColdFileError(f"{rel}: missing", "missing", rel) from None
     except OSError as e:
@@ -160,160 +152,49 @@ def checked_identity(metadata, rel: str, node: NodeId) -> NodeFileMeta:
     return meta
 
 
-def write_safetensors(fd: int, arrays: dict[str, mx.array], metadata: dict[str, str], meta: NodeFileMeta) -> dict:
-    """Write `arrays` and `metadata` as a safetensors file, with `meta` under
-    NODE_KEY; returns the arrays' checksums. The data goes first, each array
-    hashed on a hashing thread while this one writes it, then the header with
-    the checksums in it (placeholders of the same length sized it)."""
-    nonempty = [n for n, a in arrays.items() if a.size]
-    views = dict.fromkeys(arrays, memoryview(b""))
-    views.update(zip(nonempty, raw_bytes([arrays[n] for n in nonempty])))
-    table, offset = {}, 0
-    for name, a in arrays.items():
-        table[name] = {
-            "dtype": SAFETENSORS_DTYPE[a.dtype],
-            "shape": list(a.shape),
-            "data_offsets": [offset, offset + a.nbytes],
-        }
-        offset += a.nbytes
-
-    def header(node: NodeFileMeta) -> bytes:
-        # Compact and sorted, as MLX writes its headers.
-        meta = {**metadata, NODE_KEY: node.model_dump_json()}
-        text = json.dumps({"__metadata__": meta, **table}, separators=(",", ":"), sort_keys=True).encode()
-        text += b" " * (-len(text) % 8)
-        return struct.pack("<Q", len(text)) + text
-
-    head = header(meta)
-    hashing = _hash_pool().submit(lambda: {n: xxhash.xxh3_128_hexdigest(v) for n, v in views.items()})
-    at = len(head)
-    _pwrite_all(fd, list(views.values()), at)
-    sums = hashing.result()
-    final = header(meta.model_copy(update={"checksums": sums}))
-    if len(final) != len(head):
-        raise AssertionError("a checksum changed the header's length")
-    _pwrite_all(fd, [memoryview(final)], 0)
-    return sums
-
-
-def _pwrite_all(fd: int, views: list[memoryview], at: int) -> None:
-    views = [v for v in views if len(v)]
-    while views:  # pwritev may write less than asked (a signal, a full disk on the way to ENOSPC)
-        done = os.pwritev(fd, views[:IOV_MAX], at)
-        if done <= 0:
-            raise OSError(errno.EIO, "the file took no more bytes")
-        at += done
-        while views and done >= len(views[0]):
-            done -= len(views[0])
-            views.pop(0)
-        if views and done:
-            views[0] = views[0][done:]
-
-
-def _reader_thread() -> None:
-    # MLX streams belong to threads: each reading thread gets its own.
-    mx.set_default_stream(mx.new_stream(mx.default_device()))
-
-
-def _read_pool() -> ThreadPoolExecutor:
-    """This process's reading threads (a forked child makes its own)."""
-    global _readers
-    with _pool_lock:
-        if _readers is None or _readers[0] != os.getpid():
-            pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="promptstore-read", initializer=_reader_thread)
-            _readers = (os.getpid(), pool)
-        return _readers[1]
-
-
-_readers: tuple[int, ThreadPoolExecutor] | None = None
-
-
 class PendingLoad:
-    """A cold file being read on a reading thread; nothing of it is used before
-    `result()` has checked its identity, its record and every array's checksum.
+    """A cold file MLX is reading; nothing of it is used before `result()` has
+    checked its identity, record and every array's checksum."""
 
-    deferred: leave the token arrays of range layers in the file (as
-        StoredArrays): a restore reads them straight into the cache it builds,
-        verifying them there. Everything else is read and verified now.
-    """
-
-    def __init__(self, tier: ColdTier, rel: str, node: NodeId, deferred: bool = False):
+    def __init__(self, tier: ColdTier, rel: str, node: NodeId):
         self.rel, self.span = rel, (node.start, node.end)
         self.error: ColdFileError | None = None
-        self.arrays: dict = {}
-        self.deferred = False
-        self.nbytes, self.seconds = 0, 0.0
-        started = time.perf_counter()
+        self.arrays: dict[str, mx.array] = {}
         try:
             path = tier.absolute(rel)
-            f, self.header, self.metadata, data_start = checked_open(path, rel)  # strict: a consistent layout
-            self.file = SourceFile(f, rel)
+            self.header, self.metadata = checked_header(path, rel)  # strict: MLX only opens a consistent layout
             self.meta = checked_identity(self.metadata, rel, node)
-            self.record = self._record()
         except ColdFileError as e:
             self.error = e
             return
-        sources = {
-            name: Source(
-                self.file,
-                name,
-                data_start + t["data_offsets"][0],
-                t["data_offsets"][1] - t["data_offsets"][0],
-                self.meta.checksums[name],
-            )
-            for name, t in self.header.items()
-        }
-        stay = token_array_names(self.record.layers) & set(sources) if deferred else set()
-        self.arrays = {
-            n: StoredArray(sources[n], MX_DTYPE[self.header[n]["dtype"]], tuple(self.header[n]["shape"])) for n in stay
-        }
-        now = {n: s for n, s in sources.items() if n not in stay}
-        self.nbytes = sum(s.nbytes for s in now.values())
-        if self.nbytes >= PARALLEL_HASH_BYTES:
-            self.future = _read_pool().submit(self._read, now, started)
-        else:  # less than a hand-off to a reading thread costs
-            self.future = Future()
-            try:
-                self.future.set_result(self._read(now, started))
-            except Exception as e:  # raised by result(), as from a reading thread
-                self.future.set_exception(e)
-
-    def _record(self):
-        rel, meta = self.rel, self.meta
-        if set(meta.checksums) != set(self.header):
-            raise ColdFileError(f"{rel}: checksums do not name the file's arrays", "header", rel)
-        if xxhash.xxh3_128_hexdigest(self.metadata.get(METADATA_KEY, "").encode()) != meta.record:
-            raise ColdFileError(f"{rel}: the snapshot record fails its checksum", "checksum", rel)
         try:
-            return parse_record(self.metadata)
-        except CacheError as e:
-            raise ColdFileError(f"{rel}: {e}", "format", rel) from None
-
-    def _read(self, sources: dict[str, Source], started: float) -> dict[str, mx.array]:
-        tensors = [
-            Tensor(
-                n, MX_DTYPE[self.header[n]["dtype"]], tuple(self.header[n]["shape"]), functools.partial(read_whole, s)
-            )
-            for n, s in sources.items()
-        ]
-        try:
-            return Feed(tensors).load() if tensors else {}
-        finally:
-            self.seconds = time.perf_counter() - started
+            self.arrays = mx.load(str(path))
+            mx.async_eval(list(self.arrays.values()))  # MLX reads on its threads meanwhile
+        except (RuntimeError, ValueError, OSError) as e:
+            self.error = ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel)
 
     def result(self) -> list[Snapshot]:
         """The verified snapshots, or ColdFileError saying what is wrong."""
         if self.error is not None:
             raise self.error
-        rel, (start, end) = self.rel, self.span
+        rel, (start, end), meta = self.rel, self.span, self.meta
+        if set(meta.checksums) != set(self.header):
+            raise ColdFileError(f"{rel}: checksums do not name the file's arrays", "header", rel)
+        if xxhash.xxh3_128_hexdigest(self.metadata.get(METADATA_KEY, "").encode()) != meta.record:
+            raise ColdFileError(f"{rel}: the snapshot record fails its checksum", "checksum", rel)
         try:
-            arrays = {**self.arrays, **self.future.result()}
-        except ColdFileError as e:
-            raise ColdFileError(str(e), e.reason, rel) from None
+            record = parse_record(self.metadata)
+        except CacheError as e:
+            raise ColdFileError(f"{rel}: {e}", "format", rel) from None
+        try:
+            sums = checksums(self.arrays)  # each array as soon as MLX has read it
         except (RuntimeError, ValueError, OSError) as e:
             raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
+        for name in self.arrays:
+            if sums[name] != meta.checksums.get(name):
+                raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
         try:
-            snapshots = from_flat(arrays, self.record)
+            snapshots = from_flat(self.arrays, record)
         except CacheError as e:
             raise ColdFileError(f"{rel}: {e}", "format", rel) from None
         if any(s is not None and (s.start, s.end) != (start, end) for s in snapshots):
@@ -377,34 +258,35 @@ class ColdTier:
     def write(self, node: NodeId, snapshots: Sequence[Snapshot]) -> FileRef:
         """Write a node's snapshots durably; returns the ref to publish in the index."""
         arrays, metadata = to_flat(snapshots)
-        mx.eval(list(arrays.values()))
+        sums = checksums(arrays)  # evaluates the arrays too
         meta = NodeFileMeta(
             format_version=FORMAT_VERSION,
             key=node.key.hex(),
             namespace=node.namespace.hex(),
             start=node.start,
             end=node.end,
-            checksums=dict.fromkeys(arrays, "0" * 32),  # the real ones have the same length
+            checksums=sums,
             record=xxhash.xxh3_128_hexdigest(metadata[METADATA_KEY].encode()),
         )
+        metadata[NODE_KEY] = meta.model_dump_json()
         rel = self.relative_path(node, secrets.token_hex(TAG_BYTES))
         final = self.root / rel
         try:
             self._mkdirs(final.parent)
             temp = final.with_name(f"{final.stem}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
-            # Created private before a byte is written.
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
-            try:
-                sums = write_safetensors(fd, arrays, metadata, meta)
-                size = os.fstat(fd).st_size  # before the rename: the file may go at once after it
-            finally:
-                os.close(fd)
+            # Created private before a byte is written: MLX keeps the mode of a file it truncates.
+            os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode))
+            mx.save_safetensors(str(temp), arrays, metadata)
             self._sync_file(temp)
+            size = temp.stat().st_size  # before the rename: the file may go at once after it
             os.replace(temp, final)
             self._sync_dir(final.parent)
         except OSError as e:
             self._discard(locals().get("temp"))
             raise DiskWriteError(f"could not write {rel}: {e.strerror or e}") from e
+        except RuntimeError as e:  # MLX reports write failures (ENOSPC) this way
+            self._discard(locals().get("temp"))
+            raise DiskWriteError(f"could not write {rel}: {e}") from e
         digest = xxhash.xxh3_128_hexdigest(json.dumps(sums, sort_keys=True).encode())
         return FileRef(rel, size, digest)
 
@@ -461,12 +343,11 @@ class ColdTier:
         """The node's verified snapshots, or ColdFileError saying what is wrong."""
         return self.start_load(rel, node).result()
 
-    def start_load(self, rel: str, node: NodeId, deferred: bool = False) -> PendingLoad:
-        """Check the file's header and start reading it on a reading thread;
-        `.result()` then waits for it, verified. Starting the loads of several
-        nodes before taking any result reads them side by side. deferred: see
-        PendingLoad."""
-        return PendingLoad(self, rel, node, deferred)
+    def start_load(self, rel: str, node: NodeId) -> PendingLoad:
+        """Check the file's header and let MLX start reading it; `.result()` then
+        verifies it. Starting the loads of several nodes before taking any
+        result reads the files back to back while earlier ones are hashed."""
+        return PendingLoad(self, rel, node)
 
     # --- housekeeping ----------------------------------------------------------
 

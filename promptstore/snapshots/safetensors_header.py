@@ -32,37 +32,20 @@ ITEMSIZE = {
 
 def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
     """(tensors by name: {dtype, shape, data_offsets}, string metadata)."""
-    f, header, metadata, _ = open_checked(path)
-    f.close()
-    return header, metadata
-
-
-def open_checked(path: str | os.PathLike):
-    """(the open file, tensors, metadata, where the data starts): the header read
-    and checked from the same open file the data will be read from."""
     # O_NONBLOCK: a FIFO or device put in place of a file must not hang the reader.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    f = os.fdopen(fd, "rb")
-    try:
-        header, metadata, start = _parse(f)
-    except BaseException:
-        f.close()
-        raise
-    return f, header, metadata, start
-
-
-def _parse(f) -> tuple[dict, dict, int]:
-    info = os.fstat(f.fileno())
-    if not stat.S_ISREG(info.st_mode):
-        raise ValueError("not a regular file")
-    size = info.st_size
-    head = f.read(8)
-    if len(head) != 8:
-        raise ValueError("file shorter than a safetensors header")
-    (length,) = struct.unpack("<Q", head)
-    if length > MAX_HEADER or 8 + length > size:
-        raise ValueError(f"header length {length} does not fit a file of {size} bytes")
-    raw = f.read(length)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        size = info.st_size
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("file shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER or 8 + length > size:
+            raise ValueError(f"header length {length} does not fit a file of {size} bytes")
+        raw = f.read(length)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -73,7 +56,7 @@ def _parse(f) -> tuple[dict, dict, int]:
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ValueError("metadata must map strings to strings")
     _check_layout(header, size - 8 - length)
-    return header, metadata, 8 + length
+    return header, metadata
 
 
 def _check_layout(tensors: dict, data_size: int) -> None:

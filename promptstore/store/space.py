@@ -32,7 +32,6 @@ from ..errors import (
 )
 from ..identity import NodeId
 from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, prefix_key
-from .plan import Choice, record_prefill, restore_hit, save_rates
 from .tokens import model_tokens, vocabulary_size
 
 if TYPE_CHECKING:
@@ -58,8 +57,6 @@ class Hit:
     matched: prompt tokens the store holds (at most len(tokens) - 1): what a
         model of attention layers only would restore; a model with window or
         recurrent layers restores at or before it.
-    computed: of `length`, the tokens fetch prefilled itself while reading the
-        rest from disk (see plan.py); choice: how cold nodes were served.
     """
 
     length: int
@@ -71,8 +68,6 @@ class Hit:
     seconds: float = 0.0
     remote_tokens: int = 0
     matched: int = 0
-    computed: int = 0
-    choice: Choice | None = None
 
 
 def layer_spec(cache: Any, dtype: str) -> LayerSpec:
@@ -206,11 +201,11 @@ class Space:
             self.tiers.report("record", key, "the index record failed its checksum; treated as missing")
         path = list(match.path[: match.restorable_depth + 1])
         target = match.restorable
-        restored = restore_hit(self, cache, path, target, toks)  # load, recompute or both
-        length, used, cold, computed, choice = restored if restored else (0, 0, (), 0, None)
+        restored = self._restore(cache, path, target)
+        length, used, cold = restored if restored else (0, 0, ())
         remote = self._fetch_remote(toks, length)
-        if remote is not None:  # the remote hit replaces the local one
-            (length, cache), used, cold, computed = remote, 0, (), 0
+        if remote is not None:
+            (length, cache), used, cold = remote, 0, ()  # the remote hit replaces the local one
         cold_tokens = sum(min(n.end, length) - n.start for n in cold if n.start < length)
         if length:
             self._account(path[:used], hits=1, tokens_served=length, **self._saved_by_checkpoint(path[:used], length))
@@ -229,8 +224,6 @@ class Space:
             time.perf_counter() - start,
             remote_tokens=length if remote is not None else 0,
             matched=match.matched,
-            computed=computed,
-            choice=choice,
         )
         self.last_hit = hit
         return hit
@@ -251,7 +244,6 @@ class Space:
         if self._touched or self._counts:
             self.index.touch(self._touched)
             self.index.bump(self.namespace, **self._counts)
-        save_rates(self)
         self._touched, self._counts, self._flushed = [], Counter(), time.monotonic()
 
     @property
@@ -289,6 +281,21 @@ class Space:
             return {}
         before = [n.end for n in path[:-1] if n.present & state == state and n.end % self._step]
         return {"checkpoint_hits": 1, "checkpoint_tokens": length - max(before, default=0)}
+
+    def _restore(self, cache, path: list[Node], target: int):
+        """Restore `cache` to the deepest position <= target every layer reaches."""
+        snaps, cold = self.tiers.get_path(path)
+        path = path[: len(snaps)]
+        while path:
+            end = min(target, path[-1].end)
+            chains = C.restore_chains(snaps, path[-1].end, end)
+            if chains is not None and end > path[-1].start and self._restored(cache, chains, end, path[-1]):
+                if end == path[-1].end:
+                    self.tiers.restored_from(path[-1].key)  # its state was worth keeping
+                return end, len(path), cold
+            path, snaps = path[:-1], snaps[:-1]
+            target = path[-1].end if path else 0
+        return None
 
     def _fetch_remote(self, toks: np.ndarray, length: int):
         """A longer prefix than `length` from the remote tier: (its length, a cache
@@ -436,8 +443,6 @@ class Space:
         record = self._record(new, prefill_seconds, end - start) if new is not None else None
         result = self.tiers.filing.commit_insert(plan, record, split_records)
         self._count_checkpoint(len(toks), new if new is not None else uppers if plan.split is not None else None)
-        if end > start:
-            record_prefill(self, start, end, prefill_seconds)
         if plan.split is not None:
             self._place_split(plan, uppers, lowers)
         if new is not None:

@@ -211,29 +211,18 @@ class Tiers:
         pending = self._start_load(node)
         return None if pending is None else self._finish_load(node, pending)
 
-    def get_path(self, nodes: Sequence[Node], deferred: bool = False) -> tuple[list[list[Snapshot]], list[Node]]:
+    def get_path(self, nodes: Sequence[Node]) -> tuple[list[list[Snapshot]], list[Node]]:
         """The snapshots of `nodes`, in order up to the first miss, and the nodes
         that came from disk. The files of all nodes not in memory are started
-        together, read side by side while the earlier ones are verified.
-        deferred: nodes the hot tier will not keep may come with token arrays
-        still in their files (for restore_prompt_cache only, which reads them)."""
-        return self.finish_path(self.start_path(nodes, deferred))
-
-    def start_path(self, nodes: Sequence[Node], deferred: bool = False) -> list:
-        """(node, its snapshots or the load of its file) up to the first miss; the
-        loads go on in the background until finish_path."""
-        found = []  # each node looked up once
+        together: MLX reads them back to back while the earlier ones are verified."""
+        found = []  # (node, its snapshots, or the load of its file); each node looked up once
         for node in nodes:
             held = self._held(node)
             if held is None:
-                held = self._start_load(node, for_restore=deferred)
+                held = self._start_load(node)
                 if held is None:
                     break  # a miss: nothing after it is used
             found.append((node, held))
-        return found
-
-    def finish_path(self, found: list) -> tuple[list[list[Snapshot]], list[Node]]:
-        """start_path's result, waited for and verified, up to the first bad file."""
         out, cold = [], []
         for node, held in found:
             if isinstance(held, PendingLoad):
@@ -243,17 +232,6 @@ class Tiers:
                 cold.append(node)
             out.append(held)
         return out, cold
-
-    def is_held(self, node: Node) -> bool:
-        """Whether this process holds the node's snapshots in memory (not counted as a use)."""
-        entry = self.hot.entries.get(node.key)
-        if entry is not None and entry.node == node.id:
-            return True
-        with self.lock:
-            return any(
-                (job := jobs.get(node.key)) is not None and job.node == node.id
-                for jobs in (self.pending, self.stranded)
-            )
 
     def _held(self, node: Node) -> list[Snapshot] | None:
         """The node's snapshots if this process holds them (hot, or queued for disk)."""
@@ -267,7 +245,7 @@ class Tiers:
                     return job.snapshots
         return None
 
-    def _start_load(self, node: Node, for_restore: bool = False):
+    def _start_load(self, node: Node):
         try:
             record = node.record
         except CorruptRecordError as e:
@@ -275,11 +253,7 @@ class Tiers:
             return None
         if record.file is None:
             return None
-        # For a restore, a node the hot tier will not keep is left for the restore
-        # to read straight into the cache it builds; one it keeps is read into
-        # arrays of its own (a later hit is hot).
-        deferred = for_restore and record.nbytes > self.hot.budget
-        return self.cold.start_load(record.file, node.id, deferred)
+        return self.cold.start_load(record.file, node.id)
 
     def _finish_load(self, node: Node, pending) -> list[Snapshot] | None:
         try:
@@ -288,8 +262,6 @@ class Tiers:
             self._bad_file(node, e)
             return None
         self.counts["cold_loads"] += 1
-        if pending.deferred:
-            return snapshots  # token arrays still in the file: nothing to hold
         for entry in self.hot.put(
             node.key,
             snapshots,
