@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,19 @@ class StoreCache:
         self.prefill_step = 2048
         self._spaces: dict[tuple, Space] = {}
         self._pending: _Pending | None = None
+        self._busy: deque[tuple[float, float]] = deque(maxlen=1024)  # store calls on the generation thread
+
+    @contextmanager
+    def _timed(self):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._busy.append((started, time.perf_counter()))
+
+    def busy_between(self, start: float, end: float) -> float:
+        """Seconds the generation thread spent in store calls between two instants."""
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in list(self._busy))
 
     # --- binding ------------------------------------------------------------------
 
@@ -126,7 +140,10 @@ class StoreCache:
         """
         request = InFlightRequest(tenant, list(prompt), chat)
         tracked: TrackedPrompt = self.inflight.track(request)
-        hit = self._fetch(tenant, request.prompt, boundaries) if cacheable and self.model is not None else None
+        hit = None
+        if cacheable and self.model is not None:
+            with self._timed():
+                hit = self._fetch(tenant, request.prompt, boundaries)
         self._pending = _Pending(request, hit)
         return tracked, (hit.checkpoints if hit is not None else ())
 
@@ -164,7 +181,8 @@ class StoreCache:
         thread, and the store leaves itself as it was.
         """
         try:
-            self._insert(model, [int(t) for t in tokens], prompt_cache)
+            with self._timed():
+                self._insert(model, [int(t) for t in tokens], prompt_cache)
         except Exception:
             log.exception("insert of %d tokens (%s) not stored", len(tokens), cache_type)
 
@@ -217,7 +235,7 @@ class StoreCache:
         `held` (the last reply token may not have been run through the model).
         """
         try:
-            rendered = rendered_turn(self.tokenizer, request.chat, named[len(request.prompt) :])
+            rendered = rendered_turn(self.tokenizer, request.chat, named[len(request.prompt) :], request.prompt)
         except Exception as e:  # a template that cannot render its own reply: keep the tokens
             log.debug("reply not rendered (%s): storing the generated tokens", e)
             rendered = []

@@ -29,17 +29,89 @@ def reply_text(tokenizer, generated: list[int]) -> str:
     return detokenizer.text
 
 
-def rendered_turn(tokenizer, turn: ChatTurn, generated: list[int]) -> list[int]:
-    """Tokens of the conversation with this reply, as the next request renders them."""
+def rendered_turn(tokenizer, turn: ChatTurn, generated: list[int], prompt: list[int] | None = None) -> list[int]:
+    """Tokens of the conversation with this reply, as the next request renders them.
+
+    prompt: the tokens `turn` rendered to (with the generation prompt); given,
+    only the text from the last special token both renderings share is
+    tokenized again, instead of the whole conversation.
+    """
     messages = [*turn.messages, {"role": "assistant", "content": reply_text(tokenizer, generated)}]
+    if prompt:
+        spliced = _spliced(tokenizer, turn, messages, prompt)
+        if spliced is not None:
+            return spliced
     tokens = tokenizer.apply_chat_template(
         messages, tools=turn.tools, add_generation_prompt=False, tokenize=True, **turn.template_kwargs
     )
     return [int(t) for t in tokens]
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
+def _spliced(tokenizer, turn: ChatTurn, messages: list[dict], prompt: list[int]) -> list[int] | None:
+    """prompt[:j] + the tokens of the new rendering from the j-th token on, where
+    prompt[j] is the last special token before the two renderings' texts differ.
+
+    A tokenizer splits its special tokens out of the text before it tokenizes
+    the pieces between them, so the tokens before such a token do not depend on
+    the text after it. None when no such token is found (the caller renders all).
+    A wrong splice could only cost hits: the store keeps what the model computed
+    for the tokens it was given.
+    """
+    kwargs = dict(tools=turn.tools, tokenize=False, **turn.template_kwargs)
+    try:
+        before = tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True, **kwargs)
+        after = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
+        specials = _plain_special_tokens(tokenizer)
+    except Exception:  # a template or tokenizer this cannot read: render all
+        return None
+    if not isinstance(before, str) or not isinstance(after, str) or not specials:
+        return None
+    same = common_prefix(before, after)
+    for j in range(len(prompt) - 1, -1, -1):
+        text = specials.get(prompt[j])
+        if text is None:
+            continue
+        if before.count(text) != prompt.count(prompt[j]):
+            return None  # the text and the tokens disagree on this token: do not guess
+        at = _nth(before, text, prompt[: j + 1].count(prompt[j]))
+        if at is None:
+            return None
+        if at <= same:
+            tail = tokenizer.encode(after[at:], add_special_tokens=False)
+            if not tail or tail[0] != prompt[j]:
+                return None
+            return [int(t) for t in (*prompt[:j], *tail)]
+    return None
+
+
+def _plain_special_tokens(tokenizer) -> dict[int, str]:
+    """{id: text} of the tokenizer's added tokens that match their text exactly
+    (no whitespace stripped around them, no normalization)."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    decoder = getattr(inner, "added_tokens_decoder", None) or {}
+    out = {}
+    for token_id, added in decoder.items():
+        content = getattr(added, "content", None)
+        if not content or getattr(added, "lstrip", False) or getattr(added, "rstrip", False):
+            continue
+        if getattr(added, "normalized", False) or getattr(added, "single_word", False):
+            continue
+        out[int(token_id)] = content
+    return out
+
+
+def _nth(text: str, sub: str, n: int) -> int | None:
+    """Index of the n-th (1-based) occurrence of `sub` in `text`."""
+    at = -1
+    for _ in range(n):
+        at = text.find(sub, at + 1)
+        if at < 0:
+            return None
+    return at
+
+
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two sequences (token lists, strings)."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

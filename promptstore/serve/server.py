@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,9 +32,28 @@ log = logging.getLogger("promptstore.serve")
 
 @dataclass
 class StoreRequest(mlx_server.CompletionRequest):
-    """mlx-lm's request, plus the tenant it came from."""
+    """mlx-lm's request, plus the tenant it came from and its timeline
+    (perf_counter instants by name, written by the HTTP and generation threads)."""
 
     tenant: Tenant = PUBLIC
+    timeline: dict = field(default_factory=dict)
+    rendered: Rendered | None = None
+
+
+@dataclass
+class Rendered:
+    """A prompt as the HTTP thread rendered and tokenized it when checking it
+    (mlx_lm.server's _tokenize result), so the generation thread need not again."""
+
+    prompt: list[int]
+    segments: list[list[int]]
+    kinds: list[str]
+    state: str
+    messages: list | None  # the messages as rendered (content parts flattened)
+
+    def unpack(self) -> tuple:
+        """Fresh lists: mlx_lm.server trims the segments it is given."""
+        return list(self.prompt), [list(s) for s in self.segments], list(self.kinds), self.state, None
 
 
 class StoreModelProvider(mlx_server.ModelProvider):
@@ -89,17 +108,26 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         return given if given is not None else self.model_provider.max_positions
 
     def _tokenize(self, tokenizer, request, args):
-        if request.request_type == "text" and isinstance(request.prompt, list):
+        getattr(request, "timeline", {})["tokenize"] = time.perf_counter()
+        rendered: Rendered | None = getattr(request, "rendered", None)
+        messages = getattr(request, "messages", None)
+        if rendered is not None:
+            prompt, segments, kinds, state, vision = rendered.unpack()
+            messages = rendered.messages
+        elif request.request_type == "text" and isinstance(request.prompt, list):
             prompt = [int(t) for t in request.prompt]
             segments, kinds, state, vision = [prompt], ["assistant"], "normal", None
         else:
             prompt, segments, kinds, state, vision = super()._tokenize(tokenizer, request, args)
         chat = None
         if request.request_type == "chat" and tokenizer.has_chat_template and vision is None:
-            chat = ChatTurn(request.messages, request.tools, self._template_kwargs(args.chat_template_kwargs))
+            chat = ChatTurn(messages, request.tools, self._template_kwargs(args.chat_template_kwargs))
         ends = [sum(len(s) for s in segments[: i + 1]) for i in range(len(segments) - 1)]
         tenant = getattr(request, "tenant", PUBLIC)
+        timeline = getattr(request, "timeline", {})
+        timeline["fetch"] = time.perf_counter()
         tracked, checkpoints = self.store_cache.begin(tenant, prompt, chat, ends, cacheable=vision is None)
+        timeline["fetched"] = time.perf_counter()
         segments, kinds = split_segments(segments, kinds, checkpoints)
         return tracked, segments, kinds, state, vision
 
@@ -110,67 +138,96 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
 
     # --- the HTTP thread ------------------------------------------------------------
 
-    def check_prompt(self, request, chat_template_kwargs) -> int:
-        """The prompt's length in tokens, or ServeRequestError (before anything is queued)."""
+    def check_prompt(self, request, chat_template_kwargs) -> Rendered | None:
+        """Render and tokenize the prompt, or ServeRequestError (before anything is
+        queued). Returns the result for the generation thread to use as it is
+        (None for a prompt with images, which mlx_lm.server renders itself)."""
         tokenizer = self.model_provider.tokenizer
         if tokenizer is None:
             raise ServeRequestError("the model is still loading; retry shortly", status=503)
         if request.request_type == "text":
-            n = self._text_length(tokenizer, request.prompt)
+            prompt = self._text_tokens(tokenizer, request.prompt)
+            rendered = Rendered(prompt, [prompt], ["assistant"], "normal", None)
         else:
             probe = mlx_server.CompletionRequest(
                 "chat", "", copy.deepcopy(request.messages), request.tools, request.role_mapping
             )
             args = SimpleNamespace(chat_template_kwargs=chat_template_kwargs)
             try:
-                n = len(mlx_server.ResponseGenerator._tokenize(self, tokenizer, probe, args)[0])
+                prompt, segments, kinds, state, vision = mlx_server.ResponseGenerator._tokenize(
+                    self, tokenizer, probe, args
+                )
             except Exception as e:
                 raise ServeRequestError(f"the messages cannot be rendered: {e}") from None
+            prompt = [int(t) for t in prompt]
+            rendered = None if vision is not None else Rendered(prompt, segments, kinds, state, probe.messages)
         limit = self.max_prompt_tokens
-        if n == 0:
+        if not prompt:
             raise ServeRequestError("the prompt is empty")
-        if limit is not None and n > limit:
+        if limit is not None and len(prompt) > limit:
             raise ServeRequestError(
-                f"the prompt has {n} tokens; this server takes at most {limit} (--max-prompt-tokens)"
+                f"the prompt has {len(prompt)} tokens; this server takes at most {limit} (--max-prompt-tokens)"
             )
-        return n
+        return rendered
 
-    def _text_length(self, tokenizer, prompt) -> int:
+    def _text_tokens(self, tokenizer, prompt) -> list[int]:
         if isinstance(prompt, str):
-            return len(tokenizer.encode(prompt))
+            return [int(t) for t in tokenizer.encode(prompt)]
         if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ServeRequestError("prompt must be a string or a list of token ids (one prompt per request)")
         vocab = self.model_provider.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ServeRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return len(prompt)
+        return list(prompt)
 
     def generate(self, request, generation_args, progress_callback=None):
-        started = time.perf_counter()
+        timeline = getattr(request, "timeline", {})
+        timeline.setdefault("received", time.perf_counter())
+        timeline["queued"] = time.perf_counter()
         ctx, responses = super().generate(request, generation_args, progress_callback)
-        return ctx, self._logged(request, ctx, responses, started)
+        return ctx, self._logged(request, ctx, responses, timeline)
 
-    @staticmethod
-    def _logged(request, ctx, responses, started):
-        first, produced = None, 0
+    def _logged(self, request, ctx, responses, timeline):
+        produced = 0
         try:
             for response in responses:
-                first = first or time.perf_counter()
+                timeline.setdefault("first", time.perf_counter())
                 produced += 1
                 yield response
         finally:
+            timeline["done"] = time.perf_counter()
             prompt, restored = len(ctx.prompt), max(ctx.prompt_cache_count, 0)
-            ttft = f"{(first - started) * 1e3:.1f} ms" if first else "none"
+            phases = request_phases(timeline, self.store_cache.busy_between)
+            ttft = f"{phases['ttft_ms']:.1f} ms" if "ttft_ms" in phases else "none"
             log.info(
-                "request (%s): prompt %d tokens, restored %d, prefilled %d, TTFT %s, %d tokens generated",
+                "request (%s): prompt %d tokens, restored %d, prefilled %d, TTFT %s, %d tokens generated; %s",
                 getattr(request, "tenant", PUBLIC).label,
                 prompt,
                 restored,
                 prompt - restored,
                 ttft,
                 produced,
+                " ".join(f"{k}={v:.1f}" for k, v in phases.items() if k != "ttft_ms"),
             )
+
+
+def request_phases(timeline: dict, busy_between) -> dict[str, float]:
+    """A request's timeline as milliseconds per phase (those it reached): checking
+    the prompt (HTTP thread), waiting for the generation thread, rendering and
+    tokenizing, the store's fetch, then prefill and the first token; `store_ms`
+    is the generation thread's time in store calls (fetches, inserts) between
+    arrival and the first token, this request's own fetch included."""
+    marks = ["received", "checked", "queued", "tokenize", "fetch", "fetched", "first"]
+    names = ["check_ms", "handoff_ms", "queue_ms", "template_ms", "fetch_ms", "prefill_first_ms"]
+    out = {}
+    for (a, b), name in zip(zip(marks, marks[1:]), names):
+        if a in timeline and b in timeline:
+            out[name] = (timeline[b] - timeline[a]) * 1e3
+    if "first" in timeline and "received" in timeline:
+        out["ttft_ms"] = (timeline["first"] - timeline["received"]) * 1e3
+        out["store_ms"] = busy_between(timeline["received"], timeline["first"]) * 1e3
+    return out
 
 
 class StoreHandler(mlx_server.APIHandler):
@@ -223,16 +280,19 @@ class StoreHandler(mlx_server.APIHandler):
         self.wfile.flush()
 
     def handle_completion(self, request, stop_words):
+        received = time.perf_counter()
         provider = self.response_generator.model_provider
         if not provider.served(self.requested_model, self.adapter, self.requested_draft_model):
             self._error(404, f"model {self.requested_model!r} not served: this server serves {provider.public_id!r}")
             return
         try:
-            self.response_generator.check_prompt(request, self.chat_template_kwargs)
+            rendered = self.response_generator.check_prompt(request, self.chat_template_kwargs)
         except ServeRequestError as e:
             self._error(e.status, str(e))
             return
-        super().handle_completion(StoreRequest(**vars(request), tenant=self.tenant), stop_words)
+        timeline = {"received": received, "checked": time.perf_counter()}
+        request = StoreRequest(**vars(request), tenant=self.tenant, timeline=timeline, rendered=rendered)
+        super().handle_completion(request, stop_words)
 
 
 def run(args, cache: StoreCache, keyring: KeyRing) -> StoreResponseGenerator:

@@ -29,6 +29,7 @@ from ..caches import FORMAT_VERSION, Snapshot, from_flat, to_flat
 from ..caches.serialize import METADATA_KEY, READABLE_VERSIONS, parse_record
 from ..errors import CacheError, ColdFileError, DiskWriteError
 from ..identity import NodeId
+from . import device
 from .safetensors_header import read_header
 
 NODE_KEY = "promptstore.node"
@@ -168,8 +169,10 @@ class PendingLoad:
             self.error = e
             return
         try:
-            self.arrays = mx.load(str(path))
-            mx.async_eval(list(self.arrays.values()))  # MLX reads on its threads meanwhile
+            # On the CPU stream: MLX's I/O threads read the file into memory every
+            # backend's device can use, in parallel, while the caller goes on.
+            self.arrays = mx.load(str(path), stream=device.LOAD_STREAM)
+            mx.async_eval(list(self.arrays.values()))
         except (RuntimeError, ValueError, OSError) as e:
             self.error = ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel)
 
@@ -193,6 +196,7 @@ class PendingLoad:
         for name in self.arrays:
             if sums[name] != meta.checksums.get(name):
                 raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
+        device.prefetch(self.arrays.values())  # verified: on its way to the GPU before its first use
         try:
             snapshots = from_flat(self.arrays, record)
         except CacheError as e:
@@ -258,6 +262,7 @@ class ColdTier:
     def write(self, node: NodeId, snapshots: Sequence[Snapshot]) -> FileRef:
         """Write a node's snapshots durably; returns the ref to publish in the index."""
         arrays, metadata = to_flat(snapshots)
+        arrays = device.host_readable(arrays)  # on CUDA, the hot arrays stay on the device
         sums = checksums(arrays)  # evaluates the arrays too
         meta = NodeFileMeta(
             format_version=FORMAT_VERSION,

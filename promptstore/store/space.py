@@ -32,6 +32,7 @@ from ..errors import (
 )
 from ..identity import NodeId
 from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, prefix_key
+from ..snapshots.device import host_readable
 from .tokens import model_tokens, vocabulary_size
 
 if TYPE_CHECKING:
@@ -99,7 +100,8 @@ def weights_digest(model: nn.Module) -> str:
     for name, p in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
         mx.eval(p)
         h.update(f"{name}:{p.dtype}:{p.shape};".encode())
-        h.update(memoryview(mx.contiguous(p)))
+        # A copy the host reads: on CUDA the weights themselves stay on the device.
+        h.update(memoryview(mx.contiguous(host_readable({"p": p})["p"])))
     return h.hexdigest()
 
 

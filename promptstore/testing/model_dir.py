@@ -16,13 +16,21 @@ from .models import model_args, tiny_model
 from .tokenizer import demo_tokenizer
 
 
-def write_model_dir(path: str | Path, family: str = "llama", *, vocab_size: int = 512, seed: int = 0, **overrides: Any):
-    """Write `family`'s tiny model (with `overrides`) and a BPE tokenizer of
-    `vocab_size` tokens to `path`; returns the path."""
+def write_model_dir(
+    path: str | Path,
+    family: str = "llama",
+    *,
+    vocab_size: int = 512,
+    seed: int = 0,
+    dtype: mx.Dtype = mx.float32,
+    **overrides: Any,
+):
+    """Write `family`'s random-weight model (with `overrides`, in `dtype`) and a
+    BPE tokenizer of `vocab_size` tokens to `path`; returns the path."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     overrides = dict(overrides, vocab_size=vocab_size)
-    model = tiny_model(family, seed=seed, **overrides)
+    model = tiny_model(family, seed=seed, dtype=dtype, **overrides)
     config = dataclasses.asdict(model_args(family, **overrides))
     config["model_type"] = family
     (path / "config.json").write_text(json.dumps(config, indent=1))

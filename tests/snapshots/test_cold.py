@@ -934,9 +934,9 @@ def test_a_file_truncated_after_its_header_check_is_unreadable(tier, monkeypatch
     ref = put(tier, snaps)
     real_load = mx.load
 
-    def truncated_first(path):
+    def truncated_first(path, **kwargs):
         os.truncate(path, int(os.path.getsize(path) * cut))
-        return real_load(path)
+        return real_load(path, **kwargs)
 
     monkeypatch.setattr(mx, "load", truncated_first)
     assert outcome(tier, ref.path, snaps) in {"cold:unreadable", "cold:checksum"}
