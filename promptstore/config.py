@@ -48,6 +48,17 @@ class Settings(BaseModel):
         "(default: prefill_step, a state at every prefill chunk boundary)",
     )
     prefill_step: int = Field(512, ge=1, description="tokens per forward while prefilling")
+    cold_plan: Literal["auto", "load", "recompute", "split"] = Field(
+        "auto",
+        description="how a hit with nodes on disk is served: auto (the quickest by the rates measured for the "
+        "namespace), load, recompute, or split (prefill the first nodes while reading the rest)",
+    )
+    node_bytes: int = Field(
+        GiB,
+        ge=1 << 20,
+        description="largest node one insert stores: a longer span becomes a chain of nodes, so a cold hit "
+        "reads files side by side and can prefill the first while it reads the rest; compact joins up to it",
+    )
     writer_queue: int = Field(64, ge=1, description="spill jobs queued before inserts wait")
     fsync: bool = Field(True, description="fsync files and directories before publishing them")
     file_mode: int = Field(0o600, description="permissions of snapshot files")

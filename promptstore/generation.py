@@ -75,7 +75,9 @@ def stream_generate(
             continue
         started = time.perf_counter()
         prefill(model, cache, tokens, position, point, step, lambda done: progress(done, len(tokens)))
-        space.insert(tokens[:point], cache, prefill_seconds=time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        space.record_prefill(position, point, seconds)
+        space.insert(tokens[:point], cache, prefill_seconds=seconds)
         position = point
     produced: list[int] = []
     # mlx-lm counts only the tokens it is given: shift its counts past what came before.

@@ -54,6 +54,17 @@ def split_node(snapshots: NodeSnapshots, at: int) -> tuple[list, list]:
     return [u for u, _ in halves], [lo for _, lo in halves]
 
 
+def cut_node(snapshots: NodeSnapshots, points: Sequence[int]) -> list[list]:
+    """A node's snapshots cut at every one of `points` (increasing, inside its span):
+    one list of per-layer snapshots per piece, in order. Halves are cut first, so
+    each byte is copied about log2(pieces) times, not once per piece after it."""
+    if not points:
+        return [list(snapshots)]
+    mid = len(points) // 2
+    upper, lower = split_node(snapshots, points[mid])
+    return cut_node(upper, points[:mid]) + cut_node(lower, points[mid + 1 :])
+
+
 def role_of(snapshot: Snapshot) -> str:
     """How the layer a snapshot belongs to restores (SnapshotProtocol.role)."""
     if not snapshot.children:

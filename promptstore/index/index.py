@@ -442,6 +442,16 @@ class Index:
         with self._read() as txn:
             return counters.read(txn, self._dbs, ns.key)
 
+    def note(self, ns: Namespace, name: str) -> bytes | None:
+        """A small advisory value kept for `ns` (measured rates, say), or None."""
+        with self._read() as txn:
+            raw = txn.get(_note_key(ns, name), db=self._dbs.meta)
+            return None if raw is None else bytes(raw)
+
+    def set_note(self, ns: Namespace, name: str, value: bytes) -> None:
+        """Keep `value` under `name` for `ns` (the last writer wins)."""
+        self._write(lambda txn, _: txn.put(_note_key(ns, name), value, db=self._dbs.meta))
+
     def stats(self) -> dict[str, int | str]:
         """Totals over every namespace, plus the size of the LMDB map and data."""
         spaces = self.namespaces()
@@ -484,6 +494,10 @@ class Index:
         with self._read() as txn:
             stored = txn.get(key, db=self._dbs.namespaces)
             return None if stored is None else bytes(stored)
+
+
+def _note_key(ns: Namespace, name: str) -> bytes:
+    return b"note/" + ns.key + b"/" + name.encode()
 
 
 def _decode_spec(key: bytes, stored: bytes) -> NamespaceSpec:

@@ -251,6 +251,8 @@ class Compactor:
                         self.tick("merge chains")
 
     def _join(self, ns, node, child) -> bool:
+        if node.record.nbytes + child.record.nbytes > self.tiers.settings.node_bytes:
+            return False  # a chain of nodes of about node_bytes reads side by side
         upper, lower = self.tiers.get(node), self.tiers.get(child)
         if upper is None or lower is None:
             return False

@@ -33,6 +33,8 @@ from ..errors import (
 from ..identity import NodeId
 from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, prefix_key
 from ..snapshots.device import host_readable
+from . import plan
+from .plan import Choice
 from .tokens import model_tokens, vocabulary_size
 
 if TYPE_CHECKING:
@@ -55,6 +57,10 @@ class Hit:
     checkpoints: positions p > length where the caller, while prefilling,
         should call `space.insert(tokens[:p], cache)`.
     remote_tokens: of `length`, tokens restored from the remote tier (0: none).
+    computed: of `length`, tokens fetch prefilled itself while it read the rest
+        from disk (a split cold hit; see plan.py).
+    plan: how a hit with nodes on disk was served (load, recompute, split), None
+        when every node was in memory.
     matched: prompt tokens the store holds (at most len(tokens) - 1): what a
         model of attention layers only would restore; a model with window or
         recurrent layers restores at or before it.
@@ -69,6 +75,8 @@ class Hit:
     seconds: float = 0.0
     remote_tokens: int = 0
     matched: int = 0
+    computed: int = 0
+    plan: Choice | None = None
 
 
 def layer_spec(cache: Any, dtype: str) -> LayerSpec:
@@ -103,6 +111,12 @@ def weights_digest(model: nn.Module) -> str:
         # A copy the host reads: on CUDA the weights themselves stay on the device.
         h.update(memoryview(mx.contiguous(host_readable({"p": p})["p"])))
     return h.hexdigest()
+
+
+def _span(snapshots) -> tuple[int, int] | None:
+    """The span a node's snapshots cover (of the first layer that has one)."""
+    first = next((s for s in snapshots if s is not None), None)
+    return None if first is None else (first.start, first.end)
 
 
 def _describe(signature: tuple) -> str:
@@ -203,11 +217,12 @@ class Space:
             self.tiers.report("record", key, "the index record failed its checksum; treated as missing")
         path = list(match.path[: match.restorable_depth + 1])
         target = match.restorable
-        restored = self._restore(cache, path, target)
-        length, used, cold = restored if restored else (0, 0, ())
+        restored = plan.restore_hit(self, cache, path, target, toks) if path else None
+        length, used, cold = (restored.length, restored.used, restored.cold) if restored else (0, 0, ())
+        computed = restored.computed if restored else 0
         remote = self._fetch_remote(toks, length)
         if remote is not None:
-            (length, cache), used, cold = remote, 0, ()  # the remote hit replaces the local one
+            (length, cache), used, cold, computed = remote, 0, (), 0  # the remote hit replaces the local one
         cold_tokens = sum(min(n.end, length) - n.start for n in cold if n.start < length)
         if length:
             self._account(path[:used], hits=1, tokens_served=length, **self._saved_by_checkpoint(path[:used], length))
@@ -226,6 +241,8 @@ class Space:
             time.perf_counter() - start,
             remote_tokens=length if remote is not None else 0,
             matched=match.matched,
+            computed=computed,
+            plan=restored.choice if restored and remote is None else None,
         )
         self.last_hit = hit
         return hit
@@ -246,7 +263,14 @@ class Space:
         if self._touched or self._counts:
             self.index.touch(self._touched)
             self.index.bump(self.namespace, **self._counts)
+        plan.save_rates(self)
         self._touched, self._counts, self._flushed = [], Counter(), time.monotonic()
+
+    def record_prefill(self, start: int, end: int, seconds: float) -> None:
+        """The model prefilled positions [start, end) in `seconds`, timed with its
+        work evaluated: a sample of the rate cold hits are planned by."""
+        if end > start and seconds > 0:
+            plan.rates_of(self).add("prefill", int(start), int(end), float(seconds))
 
     @property
     def _restores_at_points(self) -> bool:
@@ -284,14 +308,18 @@ class Space:
         before = [n.end for n in path[:-1] if n.present & state == state and n.end % self._step]
         return {"checkpoint_hits": 1, "checkpoint_tokens": length - max(before, default=0)}
 
-    def _restore(self, cache, path: list[Node], target: int):
-        """Restore `cache` to the deepest position <= target every layer reaches."""
-        snaps, cold = self.tiers.get_path(path)
+    def restore_path(self, cache, path: list[Node], target: int, loaded=None):
+        """Restore `cache` to the deepest position <= target every layer reaches:
+        (that position, nodes used, nodes read from disk), or None.
+
+        loaded: what tiers.get_path(path) gave, when the caller read it already.
+        """
+        snaps, cold = loaded if loaded is not None else self.tiers.get_path(path)
         path = path[: len(snaps)]
         while path:
             end = min(target, path[-1].end)
             chains = C.restore_chains(snaps, path[-1].end, end)
-            if chains is not None and end > path[-1].start and self._restored(cache, chains, end, path[-1]):
+            if chains is not None and end > path[-1].start and self.restored(cache, chains, end, path[-1]):
                 if end == path[-1].end:
                     self.tiers.restored_from(path[-1].key)  # its state was worth keeping
                 return end, len(path), cold
@@ -314,7 +342,7 @@ class Space:
             chains = C.restore_chains(snaps, path[-1].end)
             if chains is not None and end > max(length, path[-1].start):
                 cache = self.new_cache()
-                if self._restored(cache, chains, end, None) and self._keep_remote(toks[:end], cache, path, length):
+                if self.restored(cache, chains, end, None) and self._keep_remote(toks[:end], cache, path, length):
                     self.tiers.counts["remote_tokens"] += end
                     return end, cache
             path, snaps = path[:-1], snaps[:-1]
@@ -336,7 +364,7 @@ class Space:
             return False
         return True
 
-    def _restored(self, cache, chains, end: int, last: Node) -> bool:
+    def restored(self, cache, chains, end: int, last: Node | None) -> bool:
         """restore_prompt_cache, with stored snapshots that do not fit (a file of
         another layout that passed its own checks) reported as a miss."""
         try:
@@ -356,11 +384,43 @@ class Space:
             raise CacheError(f"the cache holds {position} positions but {len(toks)} tokens were given")
         if position:
             self._check_arrays(cache)
+        stored = 0
+        for end, piece, seconds in self._pieces(toks, cache, prefill_seconds):
+            stored += self._insert_node(toks[:end], cache, seconds, position, piece)
+        return stored
+
+    def _pieces(self, toks: np.ndarray, cache, prefill_seconds: float | None):
+        """(end, its snapshots or None, prefill seconds) of each node to insert: one
+        for the whole span unless it holds more than `node_bytes`, then a chain of
+        nodes ending at multiples of a step (the last at the end of `toks`)."""
+        start, end = self.index.plan_insert(self.namespace, toks).span
+        whole = [(len(toks), None, prefill_seconds)]
+        if end - start < 2:
+            return whole
+        snaps = self._snap_span(cache, start, end)
+        nbytes = C.node_nbytes(snaps)
+        if nbytes <= self.settings.node_bytes:
+            return [(len(toks), snaps, prefill_seconds)]
+        step = max(self.settings.prefill_step, int(self.settings.node_bytes * (end - start) / nbytes))
+        cuts = [c for c in range((start // step + 1) * step, end, step) if c - start >= step // 4]
+        pieces = C.cut_node(snaps, cuts)
+        bounds = [start, *cuts, end]
+        share = (
+            (lambda lo, hi: None)
+            if prefill_seconds is None
+            else (lambda lo, hi: prefill_seconds * (hi - lo) / (end - start))
+        )
+        return [(hi, p, share(lo, hi)) for lo, hi, p in zip(bounds, bounds[1:], pieces)]
+
+    def _insert_node(self, toks: np.ndarray, cache, prefill_seconds, position: int, new) -> int:
+        """Insert one node ending at len(toks); `cache` is at `position` (>= it),
+        `new` the snapshots of the span planned (made from `cache` when None or
+        when the trie changed meanwhile)."""
         for attempt in range(6):
             plan = self.index.plan_insert(self.namespace, toks)
             try:
                 # The last try splits a node whose data is nowhere rather than give up.
-                return self._commit(plan, toks, cache, prefill_seconds, lost_ok=attempt == 5)
+                return self._commit(plan, toks, cache, prefill_seconds, attempt == 5, position, new)
             except (StaleInsertError, _NodeChanged):
                 continue
             except KeyCollisionError:
@@ -429,22 +489,27 @@ class Space:
             return snaps
         return C.split_node(snaps, node.end)[0]
 
-    def _commit(self, plan, toks: np.ndarray, cache, prefill_seconds, lost_ok: bool = False) -> int:
-        self._heal(plan, cache, len(toks))
+    def _commit(self, plan, toks: np.ndarray, cache, prefill_seconds, lost_ok=False, position=None, new=None) -> int:
+        position = len(toks) if position is None else position
+        self._heal(plan, cache, position)
         start, end = plan.span
         split_records = None
         uppers = lowers = None
         if plan.split is not None:
-            split_records, uppers, lowers = self._split(plan, cache, len(toks), lost_ok)
+            split_records, uppers, lowers = self._split(plan, cache, position, lost_ok)
             if split_records is None:
                 raise _SplitDataUnavailable()
-        new = self._snap_span(cache, start, end) if end > start else None
-        fill = self._fill_checkpoint(plan, cache) if end == start and plan.split is None else None
+        if new is not None and _span(new) != (start, end):
+            new = None  # planned for another span (the trie changed): made again below
+        if new is None and end > start:
+            new = self._snap_node(cache, NodeId(b"", self.namespace.key, start, end), position)
+        fill = self._fill_checkpoint(plan, cache) if end == start and plan.split is None and end == position else None
         if new is None and plan.split is None and fill is None:
             return 0
         record = self._record(new, prefill_seconds, end - start) if new is not None else None
         result = self.tiers.filing.commit_insert(plan, record, split_records)
-        self._count_checkpoint(len(toks), new if new is not None else uppers if plan.split is not None else None)
+        if len(toks) == position:
+            self._count_checkpoint(position, new if new is not None else uppers if plan.split is not None else None)
         if plan.split is not None:
             self._place_split(plan, uppers, lowers)
         if new is not None:

@@ -214,7 +214,12 @@ class Tiers:
     def get_path(self, nodes: Sequence[Node]) -> tuple[list[list[Snapshot]], list[Node]]:
         """The snapshots of `nodes`, in order up to the first miss, and the nodes
         that came from disk. The files of all nodes not in memory are started
-        together: MLX reads them back to back while the earlier ones are verified."""
+        together: MLX reads them side by side while the earlier ones are verified."""
+        return self.finish_path(self.start_path(nodes))
+
+    def start_path(self, nodes: Sequence[Node]) -> list[tuple[Node, object]]:
+        """Start reading every node of `nodes` not held here (up to the first that
+        cannot be read); the caller may work meanwhile, then calls finish_path."""
         found = []  # (node, its snapshots, or the load of its file); each node looked up once
         for node in nodes:
             held = self._held(node)
@@ -223,8 +228,13 @@ class Tiers:
                 if held is None:
                     break  # a miss: nothing after it is used
             found.append((node, held))
+        return found
+
+    def finish_path(self, started: list[tuple[Node, object]]) -> tuple[list[list[Snapshot]], list[Node]]:
+        """What start_path began: the verified snapshots up to the first miss, and
+        the nodes read from disk."""
         out, cold = [], []
-        for node, held in found:
+        for node, held in started:
             if isinstance(held, PendingLoad):
                 held = self._finish_load(node, held)
                 if held is None:
@@ -232,6 +242,25 @@ class Tiers:
                 cold.append(node)
             out.append(held)
         return out, cold
+
+    def is_held(self, node: Node) -> bool:
+        """Whether this process holds the node's snapshots (no file read needed)."""
+        entry = self.hot.entries.get(node.key)
+        if entry is not None and entry.node == node.id:
+            return True
+        with self.lock:
+            return any(
+                (job := jobs.get(node.key)) is not None and job.node == node.id
+                for jobs in (self.pending, self.stranded)
+            )
+
+    def file_of(self, node: Node) -> Path | None:
+        """The absolute path of the node's file, None without one."""
+        try:
+            record = node.record
+            return self.cold.absolute(record.file) if record.file else None
+        except (CorruptRecordError, ColdFileError):
+            return None
 
     def _held(self, node: Node) -> list[Snapshot] | None:
         """The node's snapshots if this process holds them (hot, or queued for disk)."""
