@@ -48,6 +48,11 @@ class Settings(BaseModel):
         "(default: prefill_step, a state at every prefill chunk boundary)",
     )
     prefill_step: int = Field(512, ge=1, description="tokens per forward while prefilling")
+    warm_start: bool = Field(
+        False,
+        description="on open, read the most recently used nodes into memory in the background, up to hot_bytes "
+        "per tenant (on for promptstore serve)",
+    )
     cold_plan: Literal["auto", "load", "recompute", "split"] = Field(
         "auto",
         description="how a hit with nodes on disk is served: auto (the quickest by the rates measured for the "
@@ -55,7 +60,7 @@ class Settings(BaseModel):
     )
     node_bytes: int = Field(
         GiB,
-        ge=1 << 20,
+        ge=1 << 12,
         description="largest node one insert stores: a longer span becomes a chain of nodes, so a cold hit "
         "reads files side by side and can prefill the first while it reads the rest; compact joins up to it",
     )

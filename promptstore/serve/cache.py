@@ -20,7 +20,7 @@ from ..generation import prefill
 from ..store import Hit, PromptStore, Space
 from ..store.space import weights_digest
 from .replies import ChatTurn, common_prefix, rendered_turn
-from .tenants import InFlight, InFlightRequest, Tenant, TrackedPrompt
+from .tenants import PUBLIC, InFlight, InFlightRequest, Tenant, TrackedPrompt
 
 log = logging.getLogger("promptstore.serve")
 
@@ -75,8 +75,18 @@ class _Pending:
 class StoreCache:
     """LRUPromptCache's interface over a PromptStore (called on the generation thread)."""
 
-    def __init__(self, store: PromptStore, *, model_id=None, kv_bits=None, kv_group_size=64, reply_tokens="rendered"):
+    def __init__(
+        self,
+        store: PromptStore,
+        *,
+        model_id=None,
+        kv_bits=None,
+        kv_group_size=64,
+        reply_tokens="rendered",
+        tenants: tuple[Tenant, ...] = (PUBLIC,),
+    ):
         self.store = store
+        self.tenants = tenants
         self.model_id = model_id
         self.kv_variants = (None, kv_bits) if kv_bits else (None,)
         self.kv_group_size = kv_group_size
@@ -88,6 +98,7 @@ class StoreCache:
         self.prefill_step = 2048
         self._spaces: dict[tuple, Space] = {}
         self._pending: _Pending | None = None
+        self.last_hit: Hit | None = None  # of the last begin(), for its request's log line
         self._busy: deque[tuple[float, float]] = deque(maxlen=1024)  # store calls on the generation thread
 
     @contextmanager
@@ -117,6 +128,11 @@ class StoreCache:
             self.identity = "weights-xxh3:" + weights_digest(self.model)  # adapters and draft included
             log.info("model identity: a digest of its weights (%.1f s)", time.perf_counter() - started)
         self._spaces.clear()
+        warming = self.store.warming
+        if warming is not None and warming.running:
+            # Bound now (a digest of a salt takes a moment), so that the warm start
+            # reads this model's namespaces only, for every tenant this server knows.
+            warming.restrict(space.namespace.key for tenant in self.tenants for space in self.spaces(tenant))
 
     def spaces(self, tenant: Tenant) -> list[Space]:
         """The namespaces of this model for `tenant`: plain, then quantized with --kv-bits."""
@@ -145,6 +161,7 @@ class StoreCache:
             with self._timed():
                 hit = self._fetch(tenant, request.prompt, boundaries)
         self._pending = _Pending(request, hit)
+        self.last_hit = hit
         return tracked, (hit.checkpoints if hit is not None else ())
 
     def _fetch(self, tenant: Tenant, tokens: list[int], boundaries) -> Hit | None:

@@ -9,6 +9,7 @@ import os
 import types
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm import server as mlx_server
 
 from ..config import ENV_PREFIX, Settings
@@ -19,6 +20,11 @@ UNUSED_SETTINGS = ("prefill_step",)
 # A server is stopped and killed by deployments: unless told otherwise, queue
 # every insert for disk (the store's own default keeps inserts in memory).
 SERVE_DURABILITY = "write_through"
+SERVE_DEFAULTS = {
+    "durability": f" (default: {SERVE_DURABILITY} here)",
+    "warm_start": " (default: true here)",
+    "hot_bytes": " (default here: --prompt-cache-bytes when given, else a quarter of a GPU's memory)",
+}
 
 
 class _Captured(Exception):
@@ -115,7 +121,7 @@ def _add_settings(group, parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if flag in taken:
             flag = "--store-" + name.replace("_", "-")
-        default = f" (default: {SERVE_DURABILITY} here)" if name == "durability" else ""
+        default = SERVE_DEFAULTS.get(name, "")
         group.add_argument(
             flag,
             dest=f"store_{name}",
@@ -139,6 +145,21 @@ def store_settings(args: argparse.Namespace) -> dict[str, Any]:
         out[name] = raw
     if "durability" not in out and ENV_PREFIX + "DURABILITY" not in os.environ:
         out["durability"] = SERVE_DURABILITY
-    if "hot_bytes" not in out and ENV_PREFIX + "HOT_BYTES" not in os.environ and args.prompt_cache_bytes:
-        out["hot_bytes"] = args.prompt_cache_bytes  # mlx-lm's memory budget for prompt caches
+    if "warm_start" not in out and ENV_PREFIX + "WARM_START" not in os.environ:
+        out["warm_start"] = True  # a restarted server's first requests are hot hits
+    if "hot_bytes" not in out and ENV_PREFIX + "HOT_BYTES" not in os.environ:
+        if args.prompt_cache_bytes:
+            out["hot_bytes"] = args.prompt_cache_bytes  # mlx-lm's memory budget for prompt caches
+        elif (budget := accelerator_hot_bytes()) is not None:
+            out["hot_bytes"] = budget
     return out
+
+
+def accelerator_hot_bytes() -> int | None:
+    """The hot tier's default budget on a GPU: a quarter of its memory (mlx_lm.server
+    bounds its own prompt cache by sequences, not bytes); None on CPU."""
+    if mx.default_device() != mx.gpu:
+        return None
+    info = mx.device_info()
+    total = info.get("total_memory") or info.get("memory_size")  # CUDA, Metal
+    return int(total) // 4 if isinstance(total, int) and total > 0 else None

@@ -128,6 +128,10 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         timeline["fetch"] = time.perf_counter()
         tracked, checkpoints = self.store_cache.begin(tenant, prompt, chat, ends, cacheable=vision is None)
         timeline["fetched"] = time.perf_counter()
+        hit = self.store_cache.last_hit
+        if hit is not None and hit.length:
+            timeline["from_disk"] = hit.cold_tokens
+            timeline["plan"] = hit.plan.mode if hit.plan is not None else "memory"
         segments, kinds = split_segments(segments, kinds, checkpoints)
         return tracked, segments, kinds, state, vision
 
@@ -200,11 +204,13 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
             prompt, restored = len(ctx.prompt), max(ctx.prompt_cache_count, 0)
             phases = request_phases(timeline, self.store_cache.busy_between)
             ttft = f"{phases['ttft_ms']:.1f} ms" if "ttft_ms" in phases else "none"
+            source = f" ({timeline['from_disk']} from disk, {timeline['plan']})" if "plan" in timeline else ""
             log.info(
-                "request (%s): prompt %d tokens, restored %d, prefilled %d, TTFT %s, %d tokens generated; %s",
+                "request (%s): prompt %d tokens, restored %d%s, prefilled %d, TTFT %s, %d tokens generated; %s",
                 getattr(request, "tenant", PUBLIC).label,
                 prompt,
                 restored,
+                source,
                 prompt - restored,
                 ttft,
                 produced,
@@ -347,34 +353,38 @@ def main(argv=None) -> int:
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s - %(levelname)s - %(message)s"
     )
-    try:
-        args.model = str(model_dir(args.model))  # a local directory: nothing is ever downloaded
-        keyring = KeyRing(load_api_keys(args.api_keys) if args.api_keys else None)
-        store = PromptStore.open(args.store, **store_settings(args))
-    except PromptStoreError as e:
-        if args.debug:
-            raise
-        print(f"promptstore serve: error: {e}", file=sys.stderr)
-        return 2
-    mlx_server.maybe_set_recommended_wired_limit()
-    cache = StoreCache(
-        store,
-        model_id=args.model_id,
-        kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size,
-        reply_tokens=args.reply_tokens,
-    )
+    # Installed first: a signal while the store opens (and starts its warm start) closes it.
     shutdown = _Shutdown(args.shutdown_timeout)
     shutdown.install()
-    log.info("store %s (durability %s)", store.path, store.settings.durability)
+    store = None
     try:
+        try:
+            args.model = str(model_dir(args.model))  # a local directory: nothing is ever downloaded
+            keyring = KeyRing(load_api_keys(args.api_keys) if args.api_keys else None)
+            store = PromptStore.open(args.store, **store_settings(args))
+        except PromptStoreError as e:
+            if args.debug:
+                raise
+            print(f"promptstore serve: error: {e}", file=sys.stderr)
+            return 2
+        mlx_server.maybe_set_recommended_wired_limit()
+        cache = StoreCache(
+            store,
+            model_id=args.model_id,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            reply_tokens=args.reply_tokens,
+            tenants=keyring.tenants(),
+        )
+        log.info("store %s (durability %s)", store.path, store.settings.durability)
         run(args, cache, keyring)
     except KeyboardInterrupt:
         pass
     finally:
-        shutdown.begin()
-        store.close()
-        log.info("store closed: everything is on disk")
+        if store is not None:
+            shutdown.begin()
+            store.close()
+            log.info("store closed: everything is on disk")
     _exit_now(0)
 
 

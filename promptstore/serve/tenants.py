@@ -59,6 +59,12 @@ class KeyRing:
     def required(self) -> bool:
         return self.keys is not None
 
+    def tenants(self) -> tuple[Tenant, ...]:
+        """Every tenant a request can be (PUBLIC alone without keys)."""
+        if self.keys is None:
+            return (PUBLIC,)
+        return tuple(dict.fromkeys(self.keys.values()))
+
     def tenant(self, authorization: str | None) -> Tenant | None:
         """The tenant of "Bearer <key>", PUBLIC without keys, None when refused."""
         if self.keys is None:

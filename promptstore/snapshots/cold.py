@@ -203,12 +203,15 @@ def checked_identity(metadata, rel: str, node: NodeId) -> NodeFileMeta:
 
 class PendingLoad:
     """A cold file MLX is reading; nothing of it is used before `result()` has
-    checked its identity, record and every array's checksum."""
+    checked its identity, record and every array's checksum. Several threads may
+    wait on one load: the first verifies, the others get what it found."""
 
     def __init__(self, tier: ColdTier, rel: str, node: NodeId):
         self.rel, self.span = rel, (node.start, node.end)
         self.error: ColdFileError | None = None
         self.arrays: dict[str, mx.array] = {}
+        self._lock = threading.Lock()
+        self._verified: list[Snapshot] | None = None
         try:
             path = tier.absolute(rel)
             self.header, self.metadata = checked_header(path, rel)  # strict: MLX only opens a consistent layout
@@ -226,8 +229,18 @@ class PendingLoad:
 
     def result(self) -> list[Snapshot]:
         """The verified snapshots, or ColdFileError saying what is wrong."""
-        if self.error is not None:
-            raise self.error
+        with self._lock:
+            if self._verified is None and self.error is None:
+                try:
+                    self._verified = self._verify()
+                except ColdFileError as e:
+                    self.error = e
+                self.arrays = {}  # the snapshots hold what is needed
+            if self.error is not None:
+                raise self.error
+            return self._verified
+
+    def _verify(self) -> list[Snapshot]:
         rel, (start, end), meta = self.rel, self.span, self.meta
         if set(meta.checksums) != set(self.header):
             raise ColdFileError(f"{rel}: checksums do not name the file's arrays", "header", rel)

@@ -238,7 +238,8 @@ def restore_hit(space: Space, cache: list, path: list[Node], target: int, tokens
     choice = choose(rates_of(space), base, cold, space.settings.cold_plan)
     log.debug("cold hit of %d nodes [%d, %d): %s", len(cold), base, end, choice)
     if choice.mode == "recompute":
-        return _restored(space.restore_path(cache, path[:held], base) if held else None, choice)
+        got = space.restore_path(cache, path[:held], base) if held else None
+        return _restored(got, choice) or Restored(0, 0, [], choice=choice)
     if choice.mode == "split":
         done = _split(space, cache, path, held, base, choice, tokens, end, cold)
         if done is not None:

@@ -7,6 +7,7 @@ hold snapshots, and a Space (a namespace bound to a model) composes them.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import stat
 from contextlib import contextmanager
@@ -21,6 +22,10 @@ from ..errors import StoreDirectoryError
 from ..index import Index
 from .space import Space
 from .tiers import Tiers
+from .warm import Warmer
+
+log = logging.getLogger("promptstore.store")
+WARM_STOP_SECONDS = 30.0  # a close waits this long for the files a warm start is reading
 
 
 def default_path() -> Path:
@@ -43,6 +48,9 @@ class PromptStore:
         self.tiers = Tiers(path, self.index, settings)
         self.spaces: list[Space] = []
         self._closed = False
+        self.warming: Warmer | None = None
+        if settings.warm_start:
+            self.warm()
 
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, **settings: Any) -> PromptStore:
@@ -73,6 +81,19 @@ class PromptStore:
         self.spaces.append(space)
         return space
 
+    def warm(self, namespaces=None, budget: int | None = None) -> Warmer:
+        """Read the most recently used nodes into memory in the background, up to
+        `budget` bytes per tenant (default hot_bytes), so the next hits are hot.
+
+        namespaces: keys of the namespaces to warm (default: all; a Space's is
+            `space.namespace.key`). Returns the running Warmer (`wait()`,
+            `progress()`, `stop()`); one already running is returned as it is.
+        """
+        if self.warming is None or not self.warming.running:
+            budget = self.settings.hot_bytes if budget is None else budget
+            self.warming = Warmer(self.index, self.tiers, budget, namespaces).start()
+        return self.warming
+
     def flush(self) -> None:
         """Wait for queued spills."""
         self.tiers.flush()
@@ -81,6 +102,8 @@ class PromptStore:
         """Put everything on disk (whatever the durability) and close the index."""
         if not self._closed:
             self._closed = True
+            if self.warming is not None and not self.warming.stop(timeout=WARM_STOP_SECONDS):
+                log.warning("warm start still reading after %.0f s; closing under it", WARM_STOP_SECONDS)
             try:
                 for space in self.spaces:
                     space.flush_stats()

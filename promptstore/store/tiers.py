@@ -67,6 +67,7 @@ class Tiers:
         self.remote = self._remote_tier(settings)
         self.quiet: set[bytes] = set()  # nodes made from remote hits: the server has their data
         self._origin = threading.local()
+        self.loading: dict[bytes, tuple[NodeId, str, PendingLoad]] = {}  # files being read, by node
 
     # --- the remote tier (docs/remote.md) -----------------------------------------
 
@@ -275,6 +276,8 @@ class Tiers:
         return None
 
     def _start_load(self, node: Node):
+        """The node's file being read: one already under way (a warm start's, another
+        fetch's) or a new one; None without a file."""
         try:
             record = node.record
         except CorruptRecordError as e:
@@ -282,14 +285,25 @@ class Tiers:
             return None
         if record.file is None:
             return None
-        return self.cold.start_load(record.file, node.id)
+        with self.lock:
+            entry = self.loading.get(node.key)
+            if entry is not None and entry[:2] == (node.id, record.file):
+                return entry[2]
+            pending = self.cold.start_load(record.file, node.id)
+            self.loading[node.key] = (node.id, record.file, pending)
+            return pending
 
     def _finish_load(self, node: Node, pending) -> list[Snapshot] | None:
+        """The verified snapshots of a load; whoever finishes it first reports a bad
+        file or keeps the snapshots in memory."""
         try:
             snapshots = pending.result()
         except ColdFileError as e:
-            self._bad_file(node, e)
+            if self._first_to_finish(node, pending):
+                self._bad_file(node, e)
             return None
+        if not self._first_to_finish(node, pending):
+            return snapshots
         self.counts["cold_loads"] += 1
         for entry in self.hot.put(
             node.key,
@@ -302,6 +316,24 @@ class Tiers:
             if entry.dirty:
                 self._submit(self._spill_job(entry))
         return snapshots
+
+    def _first_to_finish(self, node: Node, pending) -> bool:
+        with self.lock:
+            entry = self.loading.get(node.key)
+            if entry is None or entry[2] is not pending:
+                return False
+            del self.loading[node.key]
+            return True
+
+    def read_into_memory(self, nodes: Sequence[Node]) -> int:
+        """Read the files of `nodes` side by side into the hot tier (a warm start);
+        returns the bytes read. Bad files are quarantined and reported, as in a fetch."""
+        started = [(node, self._start_load(node)) for node in nodes if not self.is_held(node)]
+        done = 0
+        for node, pending in started:
+            if pending is not None and self._finish_load(node, pending) is not None:
+                done += node.record.nbytes
+        return done
 
     def _bad_file(self, node: Node, error: ColdFileError) -> None:
         """A miss: report it, quarantine the file, and stop pointing at it."""

@@ -62,14 +62,18 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def launch(self) -> None:
+        """Start the process on a free port (without waiting for it to serve)."""
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "promptstore", "serve", "--model", str(self.model)]
+        cmd += ["--store", str(self.store), "--host", "127.0.0.1", "--port", str(self.port), *self.extra]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONFAULTHANDLER="1")
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
     def start(self) -> Server:
         for _ in range(3):  # another process may take the free port first
-            self.port = free_port()
-            cmd = [sys.executable, "-m", "promptstore", "serve", "--model", str(self.model)]
-            cmd += ["--store", str(self.store), "--host", "127.0.0.1", "--port", str(self.port), *self.extra]
-            env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONFAULTHANDLER="1")
-            with open(self.log_path, "a") as log:
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.launch()
             if self._healthy():
                 return self
             if "Address already in use" not in self.log():

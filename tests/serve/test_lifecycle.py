@@ -2,8 +2,14 @@
 
 import signal
 import threading
+import time
 
-from .conftest import QUESTIONS, SYSTEM, chat, reference_reply, rendered_length, store_problems
+import mlx.core as mx
+
+from promptstore import PromptStore
+from promptstore.caches import make_prompt_cache
+
+from .conftest import QUESTIONS, SYSTEM, Server, chat, loaded, reference_reply, rendered_length, store_problems
 
 
 def test_sigkill_mid_stream_then_restart_hits_and_replies_equal(serve, model_dir):
@@ -82,3 +88,65 @@ def test_eight_concurrent_clients_get_the_sequential_replies(serve, model_dir):
     for i, turns in results.items():
         for messages, ids in turns:
             assert ids == reference_reply(model, messages, 12), f"conversation {i}"
+
+
+def _wait_for(server, text: str, seconds: float = 60) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if text in server.log():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_after_a_restart_the_warm_start_makes_the_next_turn_a_hit_from_memory(serve, model_dir):
+    model = model_dir("llama")
+    server = serve(model)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    text, _, _ = chat(server.client(), messages)
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": QUESTIONS[1]}]
+    assert server.stop() == 0
+
+    server = serve(model, store=server.store)
+    assert _wait_for(server, "read into memory in")  # the warm start finished
+    _, ids, cached = chat(server.client(), messages)
+    assert ids == reference_reply(model, messages, 12)
+    assert cached >= rendered_length(model, messages[:-1])
+    served = [line for line in server.log().splitlines() if "request (public)" in line][-1]
+    assert "(0 from disk, memory)" in served, served
+    assert server.stop() == 0
+
+
+def test_sigterm_during_the_warm_start_closes_the_store_cleanly(serve, model_dir, tmp_path):
+    model = model_dir("llama")
+    store = tmp_path / "store"
+    _fill(model, store, nodes=1500, tokens=64)  # many small files: a warm start of a second or more
+    server = Server(model, store, tmp_path / "warming.log", "--model-id", "m")
+    cmd_started = time.monotonic()
+    server.launch()
+    try:
+        assert _wait_for(server, "warm start: reading")
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0, server.log()[-3000:]
+    finally:
+        server.kill()
+    log = server.log()
+    assert "store closed" in log and "Traceback" not in log, log[-3000:]
+    assert "(stopped)" in log, log[-3000:]  # the signal came while it was reading
+    assert time.monotonic() - cmd_started < 60
+    assert store_problems(store) == {}
+
+
+def _fill(model, store, nodes: int, tokens: int) -> None:
+    """`nodes` independent prompts of random KV in `model`'s namespace (model id "m")."""
+    net, _ = loaded(model)
+    args = net.args
+    shape = (1, args.num_key_value_heads, tokens, args.head_dim or args.hidden_size // args.num_attention_heads)
+    with PromptStore.open(store, durability="write_through") as s:
+        space = s.bind(net, model_id="m")
+        for i in range(nodes):
+            cache = make_prompt_cache(net)
+            for layer, c in enumerate(cache):
+                k = mx.random.normal(shape, key=mx.random.key(i * 100 + layer))
+                c.update_and_fetch(k, k)
+            space.insert(mx.random.randint(0, 256, (tokens,), key=mx.random.key(i)).tolist(), cache)

@@ -431,7 +431,8 @@ def describe_device() -> str:
 
 
 TIMELINE = re.compile(
-    r"request \((?P<tenant>[^)]*)\): prompt (?P<prompt>\d+) tokens, restored (?P<restored>\d+).*?; (?P<phases>.*)$"
+    r"request \((?P<tenant>[^)]*)\): prompt (?P<prompt>\d+) tokens, restored (?P<restored>\d+)"
+    r"(?: \((?P<disk>\d+) from disk, (?P<plan>\w+)\))?.*?; (?P<phases>.*)$"
 )
 
 
@@ -442,9 +443,9 @@ def timelines(log: Path) -> list[dict]:
         m = TIMELINE.search(line)
         if m:
             phases = dict(kv.split("=") for kv in m["phases"].split() if "=" in kv)
-            out.append(
-                {"prompt": int(m["prompt"]), "restored": int(m["restored"]), **{k: float(v) for k, v in phases.items()}}
-            )
+            row = {"prompt": int(m["prompt"]), "restored": int(m["restored"]), "plan": m["plan"]}
+            row["from_disk"] = int(m["disk"] or 0)
+            out.append({**row, **{k: float(v) for k, v in phases.items()}})
     return out
 
 
