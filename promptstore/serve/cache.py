@@ -221,10 +221,18 @@ class StoreCache:
             return
         reply_of = next((o for o in owners if o.chat is not None and len(tokens) > len(o.prompt)), None)
         space = self._space_for(tenant, cache)
+        started = time.perf_counter()
         if reply_of is not None and self.reply_tokens == "rendered":
-            self._insert_rendered(space, reply_of, tokens, held, cache)
+            stored, phases = self._insert_rendered(space, reply_of, tokens, held, cache)
         else:
-            space.insert(tokens[:held], cache)
+            stored, phases = space.insert(tokens[:held], cache), {}
+        phases["total"] = time.perf_counter() - started
+        log.info(
+            "insert: %d tokens, %d new; %s",
+            held,
+            stored,
+            " ".join(f"{k}_ms={v * 1e3:.1f}" for k, v in phases.items()),
+        )
 
     def _held(self, cache: list, n_tokens: int) -> int:
         """Positions the cache holds (never more than the tokens named), 0 if unusable."""
@@ -244,13 +252,15 @@ class StoreCache:
         quantized = any(layer["kind"] == "quantized" for layer in C.prompt_layout(cache))
         return spaces[-1] if quantized else spaces[0]
 
-    def _insert_rendered(self, space: Space, request: InFlightRequest, named: list[int], held: int, cache) -> None:
+    def _insert_rendered(self, space: Space, request: InFlightRequest, named: list[int], held: int, cache):
         """Store the conversation as the next turn renders it, prefilling only
-        what differs from what the cache holds.
+        what differs from what the cache holds. Returns (tokens stored, seconds
+        per phase: render, prefill, store).
 
         named: prompt and reply as mlx-lm names them; the cache holds the first
         `held` (the last reply token may not have been run through the model).
         """
+        t0 = time.perf_counter()
         try:
             rendered = rendered_turn(self.tokenizer, request.chat, named[len(request.prompt) :], request.prompt)
         except Exception as e:  # a template that cannot render its own reply: keep the tokens
@@ -258,18 +268,18 @@ class StoreCache:
             rendered = []
         tokens = named[:held]
         common = common_prefix(tokens, rendered)
+        t1 = time.perf_counter()
         if len(rendered) < 2 or common == len(rendered) == len(tokens):
-            space.insert(tokens, cache)
-            return
+            return space.insert(tokens, cache), {"render": t1 - t0, "store": time.perf_counter() - t1}
         position = min(common, len(tokens))
         if position < len(tokens) and not C.restore_prompt_cache(cache, None, position):
             hit = space.fetch(rendered)  # window or recurrent layers cannot rewind: restart from the store
             cache, position = hit.cache, hit.length
-        started = time.perf_counter()
         prefill(self.model, cache, rendered, position, len(rendered), self.prefill_step)
-        space.insert(rendered, cache, prefill_seconds=time.perf_counter() - started)
+        t2 = time.perf_counter()
+        stored = space.insert(rendered, cache, prefill_seconds=t2 - t1)
         self.counts["reply_tokens_prefilled"] += len(rendered) - position
-        log.debug("reply stored as rendered: %d tokens, %d prefilled", len(rendered), len(rendered) - position)
+        return stored, {"render": t1 - t0, "prefill": t2 - t1, "store": time.perf_counter() - t2}
 
     # --- what mlx_lm.server reads ---------------------------------------------------
 

@@ -12,8 +12,8 @@ at the disk's: the plan asks the kernel which are where (mincore).
 from __future__ import annotations
 
 import logging
+import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -149,6 +149,7 @@ def choose(rates: Rates, base: int, cold: list[ColdNode], mode: str = "auto", ma
 
     mode: "auto" (the quickest), or the mode to take ("split": at its best point).
     margin: the share of the load time another plan must save to be taken.
+    Until both a prefill and a read have been measured, "auto" loads.
     """
     end = cold[-1].end
     load = rates.read_seconds(sum(n.resident for n in cold), sum(n.nbytes - n.resident for n in cold))
@@ -166,8 +167,9 @@ def choose(rates: Rates, base: int, cold: list[ColdNode], mode: str = "auto", ma
             sum(n.nbytes for n in tail)
         )
     estimates.update({f"split@{at}": t for at, t in splits.items()})
-    if mode == "load" or (mode == "auto" and recompute is None):
-        return Choice("load", base, estimates)
+    measured = rates.warm or rates.disk
+    if mode == "load" or (mode == "auto" and (recompute is None or not measured)):
+        return Choice("load", base, estimates)  # loading is how reads get measured at all
     if mode == "recompute":
         return Choice("recompute", base, estimates)
     if mode == "split":
@@ -185,27 +187,34 @@ def choose(rates: Rates, base: int, cold: list[ColdNode], mode: str = "auto", ma
 
 # --- the rates of a namespace, kept in the index --------------------------------------------
 
-_rates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Space -> [its rates, as last kept]
+# (store path, namespace key) -> [its rates, as last kept]: every Space of a namespace
+# in this process measures into, and plans by, the same rates.
+_rates: dict[tuple[str, bytes], list[Rates]] = {}
+_rates_lock = threading.Lock()
 
 
 def rates_of(space: Space) -> Rates:
     """The namespace's rates, read from the index the first time."""
-    if space not in _rates:
-        raw = space.index.note(space.namespace, NOTE)
-        try:
-            rates = Rates.model_validate_json(raw) if raw else Rates()
-        except ValidationError:
-            rates = Rates()  # advisory: a damaged note starts afresh
-        _rates[space] = [rates, rates.model_copy(deep=True)]
-    return _rates[space][0]
+    key = (str(space.index.path), space.namespace.key)
+    with _rates_lock:
+        if key not in _rates:
+            raw = space.index.note(space.namespace, NOTE)
+            try:
+                rates = Rates.model_validate_json(raw) if raw else Rates()
+            except ValidationError:
+                rates = Rates()  # advisory: a damaged note starts afresh
+            _rates[key] = [rates, rates.model_copy(deep=True)]
+        return _rates[key][0]
 
 
 def save_rates(space: Space) -> None:
     """Keep changed rates in the index (with the other advisory counters)."""
-    entry = _rates.get(space)
-    if entry is not None and entry[0] != entry[1]:
-        space.index.set_note(space.namespace, NOTE, entry[0].model_dump_json().encode())
-        entry[1] = entry[0].model_copy(deep=True)
+    with _rates_lock:
+        entry = _rates.get((str(space.index.path), space.namespace.key))
+        if entry is None or entry[0] == entry[1]:
+            return
+        value, entry[1] = entry[0].model_dump_json().encode(), entry[0].model_copy(deep=True)
+    space.index.set_note(space.namespace, NOTE, value)
 
 
 # --- serving a hit by the plan ---------------------------------------------------------------

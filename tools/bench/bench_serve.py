@@ -292,6 +292,12 @@ def main() -> int:
         help="empty the machine's page cache between the stop and the restart (root: /proc/sys/vm/drop_caches)",
     )
     p.add_argument("--skip-generated", action="store_true", help="leave out the generated-replies variant")
+    p.add_argument(
+        "--warm-up-process",
+        action=argparse.BooleanOptionalAction,
+        help="first run two rounds of other text through a throwaway server, so MLX's kernels are compiled "
+        "before either contender runs (default: on for --profile cuda)",
+    )
     p.add_argument("--serve-args", default="", help="extra options for promptstore serve (one string)")
     p.add_argument("--out", help="JSON path (default bench-results/serve.json, serve-cuda.json for --profile cuda)")
     args = p.parse_args()
@@ -299,6 +305,8 @@ def main() -> int:
     for key in ("users", "rounds", "system_tokens", "context_tokens", "answer_tokens"):
         if getattr(args, key) is None:
             setattr(args, key, profile[key])
+    if args.warm_up_process is None:
+        args.warm_up_process = args.profile == "cuda"
     out_path = args.out or (
         "bench-results/serve.json" if args.profile == "cpu" else f"bench-results/serve-{args.profile}.json"
     )
@@ -330,6 +338,8 @@ def main() -> int:
             env,
             work / "psg.log",
         )
+    if args.warm_up_process:
+        warm_up_process(work, ps, env, args)
     system = text_of(args.system_tokens, 0)
     conversations = [
         [{"role": "system", "content": system + "\n\n" + text_of(args.context_tokens, 11 * (u + 1))}]
@@ -393,6 +403,7 @@ def main() -> int:
         "replies_equal": f"{same}/{len(base)}",
         "promptstore_store_bytes": store_bytes,
         "promptstore_timelines": timelines(work / "ps.log"),
+        "promptstore_inserts": inserts(work / "ps.log"),
         "requests": {name: c.results for name, c in contenders.items()},
         "goals": goals(report),
     }
@@ -400,6 +411,25 @@ def main() -> int:
     print_table(report, payload)
     print(f"wrote {out}")
     return 0
+
+
+def warm_up_process(work: Path, ps: list[str], env: dict, args) -> None:
+    """Two rounds of unrelated text through a throwaway promptstore serve (its own
+    store): MLX compiles its kernels once per machine, not per contender."""
+    started = time.perf_counter()
+    server = Server("warm-up", [*ps, "--store", str(work / "store-warm-up")], env, work / "warm-up.log").start()
+    other = text_of(args.system_tokens, 5)
+    contender = Contender(
+        server,
+        [
+            [{"role": "system", "content": other + "\n\n" + text_of(args.context_tokens, 7 * (u + 3))}]
+            for u in range(args.users)
+        ],
+    )
+    for turn in range(2):
+        contender.round("warm-up", turn, args.answer_tokens)
+    server.stop()
+    print(f"warm-up process: {time.perf_counter() - started:.1f} s", flush=True)
 
 
 def drop_page_cache() -> bool:
@@ -446,6 +476,20 @@ def timelines(log: Path) -> list[dict]:
             row = {"prompt": int(m["prompt"]), "restored": int(m["restored"]), "plan": m["plan"]}
             row["from_disk"] = int(m["disk"] or 0)
             out.append({**row, **{k: float(v) for k, v in phases.items()}})
+    return out
+
+
+INSERT = re.compile(r"insert: (?P<held>\d+) tokens, (?P<new>\d+) new; (?P<phases>.*)$")
+
+
+def inserts(log: Path) -> list[dict]:
+    """promptstore serve's inserts on the generation thread: tokens and milliseconds per phase."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = INSERT.search(line)
+        if m:
+            phases = dict(kv.split("=") for kv in m["phases"].split() if "=" in kv)
+            out.append({"tokens": int(m["held"]), "new": int(m["new"]), **{k: float(v) for k, v in phases.items()}})
     return out
 
 
@@ -511,6 +555,11 @@ def print_table(report: dict, payload: dict) -> None:
         keys = [k for k in rows[0] if k.endswith("_ms")]
         print("\npromptstore serve, per-request phases (median ms over " + f"{len(rows)} requests): ", end="")
         print(" ".join(f"{k[:-3]}={np.median([r.get(k, 0.0) for r in rows]):.1f}" for k in keys))
+    rows = payload["promptstore_inserts"]
+    if rows:
+        keys = sorted({k for r in rows for k in r if k.endswith("_ms")})
+        print(f"promptstore serve, inserts on the generation thread (median ms over {len(rows)}): ", end="")
+        print(" ".join(f"{k[:-3]}={np.median([r[k] for r in rows if k in r]):.1f}" for k in keys))
     print(f"replies equal (mlx_lm.server vs promptstore serve): {payload['replies_equal']}")
     for k, v in payload["goals"].items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
