@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 
-.PHONY: setup demo test test-slow lint format bench bench-anchors soak soak-quick openblas redis clean
+.PHONY: setup demo test test-slow cold-stress lint format bench bench-anchors soak soak-quick openblas redis clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,23 @@ format: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
+
+# The cold path's tests (reads, checksums, plans, warm start, corruption, crashes)
+# 20 times in a row, each test under a 120 s bound, while the whole suite runs
+# beside them: on 2 cores, about 20 minutes. Any failure or hang fails the target.
+COLD_TESTS := tests/snapshots/test_cold.py tests/store/test_cold_plan.py tests/store/test_warm.py \
+	tests/store/test_corruption.py tests/store/test_crash.py tests/store/test_tiers.py
+cold-stress: setup redis
+	@tmp=$$(mktemp -d); \
+	$(BIN)/python -m pytest -q -p no:cacheprovider --basetemp=$$tmp/suite > $$tmp/suite.log 2>&1 & suite=$$!; \
+	for i in $$(seq 20); do \
+	  $(BIN)/python -m pytest -q -x -p no:cacheprovider --timeout=120 --basetemp=$$tmp/cold $(COLD_TESTS) > $$tmp/cold.log 2>&1 \
+	    || { tail -40 $$tmp/cold.log; kill $$suite 2>/dev/null; echo "cold-path tests failed on run $$i"; exit 1; }; \
+	  echo "cold-path tests, run $$i of 20: $$(tail -1 $$tmp/cold.log)"; \
+	done; \
+	wait $$suite && echo "whole suite beside them: $$(tail -1 $$tmp/suite.log)" \
+	  || { tail -40 $$tmp/suite.log; echo "the suite beside them failed"; exit 1; }; \
+	rm -rf $$tmp
 
 # Each benchmark prints its table and writes JSON under bench-results/.
 bench: setup

@@ -106,6 +106,13 @@ def _add_options(group) -> None:
         "the next turn (default), or the tokens as generated (mlx_lm.server's way)",
     )
     group.add_argument(
+        "--kernel-warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run a small batch while starting, so the first requests do not build the kernels (default: on; "
+        "takes a few seconds at start on a GPU)",
+    )
+    group.add_argument(
         "--shutdown-timeout",
         type=float,
         default=60.0,

@@ -26,8 +26,11 @@ from .cache import StoreCache, split_segments
 from .options import build_parser, store_settings
 from .replies import ChatTurn
 from .tenants import PUBLIC, KeyRing, Tenant, load_api_keys
+from .warmup import warm_up
 
 log = logging.getLogger("promptstore.serve")
+
+WARM_UP_BATCH = 4  # on an H100 a batch of 4 also readied batches of 1-3 (warmup.py)
 
 
 @dataclass
@@ -68,6 +71,7 @@ class StoreModelProvider(mlx_server.ModelProvider):
         self.names = {"default_model", cli_args.model, resolved, self.public_id}
         self.max_positions: int | None = None
         self.vocab_size: int | None = None
+        self.ready = False  # the model loaded, attached and warmed up
 
     def served(self, model: str | None, adapter: str | None, draft: str | None) -> bool:
         return (
@@ -88,10 +92,59 @@ class StoreModelProvider(mlx_server.ModelProvider):
         vocab = [len(self.tokenizer._tokenizer), getattr(args, "vocab_size", None)]
         self.vocab_size = min(v for v in vocab if v)
         self.cache.attach(self.model, self.tokenizer, self.draft_model, self.model_key, self.cli_args.prefill_step_size)
+        if self.cli_args.kernel_warm_up and self.draft_model is None:
+            self._warm_up()
+        self.ready = True
+
+    def _warm_up(self) -> None:
+        """Run a small batch as a restarted server's first round runs (on the
+        generation thread, where this is called), so that round does not build
+        the kernels; a model the batch path cannot run is served without it."""
+        batch = min(WARM_UP_BATCH, self.cli_args.decode_concurrency, self.cli_args.prompt_concurrency)
+        try:
+            seconds = warm_up(
+                self.model,
+                self.vocab_size,
+                batch,
+                prefill_batch_size=self.cli_args.prompt_concurrency,
+                prefill_step_size=self.cli_args.prefill_step_size,
+            )
+        except Exception as e:  # a warm-up is never a reason not to serve
+            log.warning("kernel warm-up skipped: %s", e)
+            return
+        log.info("kernel warm-up: a batch of %d in %.2f s", batch, seconds)
+
+
+class ArrivalBudget:
+    """mlx_lm.server's time budget for a run of batch steps (0.5 s, during which
+    no new request joins the batch), ended early once a request is waiting, so a
+    request that arrives while a batch runs joins it after one step, not after
+    the budget. At least one step runs each time, so a waiting request that
+    cannot join (the batch drains first) never stops the batch's progress.
+    Distributed runs keep mlx-lm's budget: every rank must take the same steps."""
+
+    def __init__(self, budget, requests):
+        self.budget, self.requests = budget, requests
+        self.distributed = mx.distributed.init().size() > 1
+        self.steps = 0
+
+    def __iter__(self):
+        if self.distributed:
+            return iter(self.budget)
+        self.budget.__iter__()
+        self.steps = 0
+        return self
+
+    def __next__(self):
+        if self.steps > 0 and not self.requests.empty():
+            raise StopIteration
+        self.steps += 1
+        return next(self.budget)
 
 
 class StoreResponseGenerator(mlx_server.ResponseGenerator):
-    """mlx-lm's generation loop; tokenizing also tracks the request and fetches."""
+    """mlx-lm's generation loop; tokenizing also tracks the request and fetches;
+    a waiting request interrupts a run of batch steps (ArrivalBudget)."""
 
     def __init__(self, provider: StoreModelProvider, cache: StoreCache, keyring: KeyRing):
         # Set before super().__init__, which starts the generation thread.
@@ -99,8 +152,18 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         super().__init__(provider, cache)
 
     @property
+    def _time_budget(self):
+        return self._arrival_budget
+
+    @_time_budget.setter
+    def _time_budget(self, budget) -> None:
+        # mlx-lm's __init__ sets its TimeBudget (after the request queue, before
+        # the generation thread starts): wrap it.
+        self._arrival_budget = ArrivalBudget(budget, self.requests)
+
+    @property
     def is_healthy(self) -> bool:
-        return self.generation_available() and self.model_provider.model is not None
+        return self.generation_available() and self.model_provider.ready
 
     @property
     def max_prompt_tokens(self) -> int | None:

@@ -150,3 +150,19 @@ def _fill(model, store, nodes: int, tokens: int) -> None:
                 k = mx.random.normal(shape, key=mx.random.key(i * 100 + layer))
                 c.update_and_fetch(k, k)
             space.insert(mx.random.randint(0, 256, (tokens,), key=mx.random.key(i)).tolist(), cache)
+
+
+def test_the_kernel_warm_up_runs_before_the_server_is_healthy_and_stores_nothing(serve, model_dir):
+    model = model_dir("llama")
+    server = serve(model)  # returns once /health says 200
+    log = server.log()
+    assert "kernel warm-up: a batch of 4 in" in log, log[-3000:]
+    assert server.stop() == 0
+    assert list((server.store / "cold").rglob("*.safetensors")) == []  # nothing of it was stored
+
+    quiet = serve(model, "--no-kernel-warm-up", store=server.store)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    _, ids, _ = chat(quiet.client(), messages)
+    assert ids == reference_reply(model, messages, 12)
+    assert "kernel warm-up" not in quiet.log()
+    assert quiet.stop() == 0

@@ -98,3 +98,14 @@ def test_every_mlx_lm_server_option_is_a_promptstore_serve_option():
     args = ours.parse_args(["--model", "m", "--port", "9", "--hot-bytes", "1024", "--api-keys", "k.json"])
     assert (args.model, args.port, args.store_hot_bytes, args.api_keys) == ("m", 9, "1024", "k.json")
     assert mlx_server.argparse.ArgumentParser is __import__("argparse").ArgumentParser  # restored after capture
+
+
+def test_the_generation_loop_steps_a_batch_under_the_time_budget_it_set_in_init():
+    # ArrivalBudget wraps what __init__ assigns to _time_budget, and the loop
+    # iterates self._time_budget around batch_generator.next().
+    init = inspect.getsource(mlx_server.ResponseGenerator.__init__)
+    assert init.index("self.requests = Queue()") < init.index("self._time_budget = TimeBudget()")
+    assert init.index("self._time_budget = TimeBudget()") < init.index("self._generation_thread.start()")
+    loop = inspect.getsource(mlx_server.ResponseGenerator._generate)
+    assert "for _ in self._time_budget:" in loop
+    assert loop.index("for _ in self._time_budget:") < loop.index("batch_generator.next()")

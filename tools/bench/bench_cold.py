@@ -20,6 +20,7 @@ Writes bench-results/cold-<profile>.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import subprocess
@@ -157,14 +158,24 @@ def warm_page_cache(root: Path) -> None:
                 pass
 
 
+def settle() -> None:
+    """Free what the last run left in MLX's buffer cache: on CUDA that is managed
+    memory, and tens of GB of it left cached slow every later run down (a 32k
+    prefill measured 1.3 s alone and up to 8.6 s after other paths' runs)."""
+    gc.collect()
+    mx.clear_cache()
+
+
 def alternate(paths: dict, runs: int, before=None) -> dict[str, list]:
-    """Run each path `runs` times, in an order that rotates every round."""
+    """Run each path `runs` times, in an order that rotates every round, each
+    run starting from a settled buffer cache."""
     out = {name: [] for name in paths}
     names = list(paths)
     for r in range(runs):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             if before is not None:
                 before(name)
+            settle()
             out[name].append(paths[name]())
     return out
 
@@ -212,6 +223,7 @@ def sweep(root: Path, model, tokens: list[int], p: Profile, drop: str, kv_bytes:
 
     for name in paths:  # warm-up: compiled kernels, and the rates auto plans by
         before(name)
+        settle()
         paths[name]()
     runs = alternate(paths, p.runs, before)
     for s in (hot, *colds.values()):
