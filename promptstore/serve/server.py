@@ -26,7 +26,7 @@ from .cache import StoreCache, split_segments
 from .options import build_parser, store_settings
 from .replies import ChatTurn
 from .tenants import PUBLIC, KeyRing, Tenant, load_api_keys
-from .warmup import warm_up
+from .warmup import read_libraries, runtime_libraries, warm_up
 
 log = logging.getLogger("promptstore.serve")
 
@@ -94,6 +94,9 @@ class StoreModelProvider(mlx_server.ModelProvider):
         self.cache.attach(self.model, self.tokenizer, self.draft_model, self.model_key, self.cli_args.prefill_step_size)
         if self.cli_args.kernel_warm_up and self.draft_model is None:
             self._warm_up()
+        if self.cli_args.read_gpu_libraries:
+            files, nbytes, seconds = read_libraries(runtime_libraries())
+            log.info("GPU runtime libraries: %d files, %.2f GB read in %.2f s", files, nbytes / 1e9, seconds)
         self.ready = True
 
     def _warm_up(self) -> None:

@@ -1,0 +1,47 @@
+"""Reading the GPU runtime's libraries at start: which files, and a bounded read."""
+
+from promptstore.serve.warmup import read_libraries, runtime_libraries
+
+
+def _maps(tmp_path, *paths) -> str:
+    lines = [f"7f00-7f01 r-xp 00000000 08:01 {i} {p}" for i, p in enumerate(paths)]
+    lines.append("7ffd-7ffe rw-p 00000000 00:00 0")  # anonymous: no path
+    maps = tmp_path / "maps"
+    maps.write_text("\n".join(lines) + "\n")
+    return str(maps)
+
+
+def test_the_folders_of_mapped_cuda_libraries_are_read_with_everything_beside_them(tmp_path):
+    cuda, other = tmp_path / "cuda" / "lib", tmp_path / "python"
+    cuda.mkdir(parents=True)
+    other.mkdir()
+    for name in ("libcudart.so.12", "libcudnn_engines.so.9", "libnvidia-ptxjitcompiler.so.1"):
+        (cuda / name).write_bytes(b"x" * 10)
+    (cuda / "README").write_text("not a library")
+    (other / "libpython3.so").write_bytes(b"p")
+    (other / "libmlx.so").write_bytes(b"m")
+    found = runtime_libraries(_maps(tmp_path, cuda / "libcudart.so.12", other / "libpython3.so", other / "libmlx.so"))
+    assert [p.name for p in found] == [
+        "libcudart.so.12",
+        "libcudnn_engines.so.9",
+        "libnvidia-ptxjitcompiler.so.1",
+        "libmlx.so",
+    ]
+
+
+def test_without_a_cuda_library_mapped_nothing_is_read(tmp_path):
+    lib = tmp_path / "libmlx.so"
+    lib.write_bytes(b"m")
+    assert runtime_libraries(_maps(tmp_path, lib, tmp_path / "libpython3.so")) == []
+    assert runtime_libraries(tmp_path / "missing") == []
+
+
+def test_the_read_covers_every_byte_skips_what_is_gone_and_stops_at_its_deadline(tmp_path):
+    files = []
+    for i, size in enumerate((0, 1, 40 << 20)):
+        f = tmp_path / f"lib{i}.so"
+        f.write_bytes(b"z" * size)
+        files.append(f)
+    assert read_libraries([*files, tmp_path / "gone.so"])[:2] == (3, 1 + (40 << 20))
+    count, nbytes, _ = read_libraries(files, deadline_s=0.0)
+    assert nbytes == 0 and count <= 1
