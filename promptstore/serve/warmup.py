@@ -13,15 +13,12 @@ uses it. Nothing of it is stored or seen by a request.
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
-
-log = logging.getLogger("promptstore.serve")
 
 PREFIX_TOKENS = 48  # a restored prefix's stand-in (lengths vary a little per prompt)
 STEP_TOKENS = 19  # the new tokens of a chat turn's step
@@ -98,7 +95,7 @@ def runtime_libraries(maps: str | Path = "/proc/self/maps") -> list[Path]:
     gpu = [p for p in mapped if "/nvidia/" in str(p) or p.name.startswith(GPU_LIBRARIES)]
     if not gpu:
         return []
-    found = set(gpu) | {p for p in mapped if p.name.startswith("libmlx")}
+    found = {p for p in mapped if p.name.startswith("libmlx")}  # the mapped CUDA libraries are in their folders
     for folder in {p.parent for p in gpu}:
         found.update(q for q in folder.glob("*.so*") if q.is_file())
     return sorted(found)
