@@ -18,7 +18,7 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +34,7 @@ from ..errors import CacheError, ColdFileError, DiskWriteError
 from ..identity import NodeId
 from . import device
 from .safetensors_header import read_header
+from .safetensors_writer import write_safetensors
 
 NODE_KEY = "promptstore.node"
 SUFFIX = ".safetensors"
@@ -80,14 +81,18 @@ def _hash_pool() -> ThreadPoolExecutor:
         return _pool[1]
 
 
-def checksums(arrays: dict[str, mx.array]) -> dict[str, str]:
+def checksums(arrays: dict[str, mx.array], then: Callable[[list[mx.array]], object] | None = None) -> dict[str, str]:
     """checksum() of every array. Arrays MLX is still computing or loading
     (mx.async_eval) are waited for in turn, each hashed on the hashing threads
-    as soon as it is there, while MLX goes on with the rest."""
+    as soon as it is there, while MLX goes on with the rest. `then` is called
+    with each run of arrays once they are hashed (on a hashing thread)."""
     total = sum(a.nbytes for a in arrays.values())
     if len(arrays) < 2 or total < PARALLEL_HASH_BYTES:
         mx.eval(list(arrays.values()))
-        return {name: checksum(a) for name, a in arrays.items()}
+        sums = {name: checksum(a) for name, a in arrays.items()}
+        if then is not None:
+            then(list(arrays.values()))
+        return sums
     pool = _hash_pool()
     # Work in runs of consecutive arrays, a few per thread, so that many small
     # arrays do not cost a wait and a hand-off each.
@@ -99,9 +104,16 @@ def checksums(arrays: dict[str, mx.array]) -> dict[str, str]:
         if run_bytes >= share or i == len(arrays) - 1:
             mx.eval([x for _, x in run])
             views = [(n, _row_major_bytes(x)) for n, x in run]  # MLX work stays on this thread
-            pending.append(pool.submit(lambda vs: [(n, xxhash.xxh3_128_hexdigest(v)) for n, v in vs], views))
+            pending.append(pool.submit(_hash_run, views, [x for _, x in run], then))
             run, run_bytes = [], 0
     return {name: digest for f in pending for name, digest in f.result()}
+
+
+def _hash_run(views: list[tuple[str, memoryview]], run: list[mx.array], then) -> list[tuple[str, str]]:
+    digests = [(n, xxhash.xxh3_128_hexdigest(v)) for n, v in views]
+    if then is not None:
+        then(run)
+    return digests
 
 
 def checksum(array: mx.array) -> str:
@@ -251,13 +263,14 @@ class PendingLoad:
         except CacheError as e:
             raise ColdFileError(f"{rel}: {e}", "format", rel) from None
         try:
-            sums = checksums(self.arrays)  # each array as soon as MLX has read it
+            # Each array hashed as soon as MLX has read it, then on its way to the GPU
+            # (CUDA), before its first use; nothing reads it before the checks pass.
+            sums = checksums(self.arrays, then=device.prefetch)
         except (RuntimeError, ValueError, OSError) as e:
             raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
         for name in self.arrays:
             if sums[name] != meta.checksums.get(name):
                 raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
-        device.prefetch(self.arrays.values())  # verified: on its way to the GPU before its first use
         try:
             snapshots = from_flat(self.arrays, record)
         except CacheError as e:
@@ -335,24 +348,24 @@ class ColdTier:
             record=xxhash.xxh3_128_hexdigest(metadata[METADATA_KEY].encode()),
         )
         metadata[NODE_KEY] = meta.model_dump_json()
+        named = [(name, a, _row_major_bytes(a)) for name, a in arrays.items()]
         rel = self.relative_path(node, secrets.token_hex(TAG_BYTES))
         final = self.root / rel
         try:
             self._mkdirs(final.parent)
             temp = final.with_name(f"{final.stem}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
-            # Created private before a byte is written: MLX keeps the mode of a file it truncates.
-            os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode))
-            mx.save_safetensors(str(temp), arrays, metadata)
-            self._sync_file(temp)
-            size = temp.stat().st_size  # before the rename: the file may go at once after it
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)  # private from the start
+            try:
+                size = write_safetensors(fd, named, metadata, durable=self.fsync)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(temp, final)
             self._sync_dir(final.parent)
         except OSError as e:
             self._discard(locals().get("temp"))
             raise DiskWriteError(f"could not write {rel}: {e.strerror or e}") from e
-        except RuntimeError as e:  # MLX reports write failures (ENOSPC) this way
-            self._discard(locals().get("temp"))
-            raise DiskWriteError(f"could not write {rel}: {e}") from e
         digest = xxhash.xxh3_128_hexdigest(json.dumps(sums, sort_keys=True).encode())
         return FileRef(rel, size, digest)
 

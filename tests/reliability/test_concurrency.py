@@ -207,23 +207,27 @@ def test_compact_copes_with_files_vanishing_under_it(tmp_path, monkeypatch):
         assert err < TOL
 
 
-def test_compact_leaves_this_processs_inflight_spill_alone(tmp_path):
+def test_compact_leaves_this_processs_inflight_spill_alone(tmp_path, monkeypatch):
+    from promptstore.snapshots import cold
+
     model = _model("llama")
+    real_write = cold.write_safetensors
+    writing, go_on = threading.Event(), threading.Event()
+
+    def slow_write(fd, named, metadata, *, durable):
+        written = real_write(fd, named, metadata, durable=durable)
+        if not go_on.is_set():
+            writing.set()  # the temp file is written; fsync and rename are next
+            go_on.wait(30)
+        return written
+
+    monkeypatch.setattr(cold, "write_safetensors", slow_write)
     with PromptStore.open(tmp_path, durability="write_through") as store:
         space = store.bind(model, model_id="m")
-        real_sync = store.tiers.cold._sync_file
-        writing, go_on = threading.Event(), threading.Event()
-
-        def slow_fsync(path):
-            if TEMP_MARK in path.name and not go_on.is_set():
-                writing.set()  # the temp file is written; fsync and rename are next
-                go_on.wait(30)
-            return real_sync(path)
-
-        store.tiers.cold._sync_file = slow_fsync
         try:
             prefill_insert(space, model, BASE)
             assert writing.wait(30)
+            assert list(tmp_path.rglob(f"*{TEMP_MARK}*")), "the spill's temporary file is on disk"
             report = compact(tmp_path, max_bytes=1 << 30)
         finally:
             go_on.set()

@@ -278,17 +278,19 @@ def test_every_directory_is_private(tier):
     assert all(m == oct(0o700) for m in modes.values()), modes
 
 
-# Regression (was a defect): cold.py write(): mx.save_safetensors creates the temp file 0644 and
-# writes the whole snapshot before os.chmod makes it 0600
+# Regression (was a defect): cold.py write(): mx.save_safetensors created the temp file 0644 and
+# wrote the whole snapshot before os.chmod made it 0600
 def test_snapshot_bytes_are_never_in_a_readable_file(tier, monkeypatch):
+    from promptstore.snapshots import cold
+
     seen = []
-    real = mx.save_safetensors
+    real = cold.write_safetensors
 
-    def spy(path, arrays, metadata=None):
-        real(path, arrays, metadata)
-        seen.append(stat.S_IMODE(os.stat(path).st_mode))
+    def spy(fd, named, metadata, *, durable):
+        seen.append(stat.S_IMODE(os.fstat(fd).st_mode))  # before a byte is written
+        return real(fd, named, metadata, durable=durable)
 
-    monkeypatch.setattr(mx, "save_safetensors", spy)
+    monkeypatch.setattr(cold, "write_safetensors", spy)
     with umask(0o022):
         put(tier, [driver_snapshot("kv", 0)])
     assert seen and all(m & 0o077 == 0 for m in seen), [oct(m) for m in seen]

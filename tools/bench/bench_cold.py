@@ -20,6 +20,7 @@ Writes bench-results/cold-<profile>.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import os
 import shutil
@@ -311,21 +312,23 @@ def _time(fn) -> tuple[float, float]:
 
 def writes(cache, p: Profile, tmp: Path, n: int) -> dict:
     """The cold tier's write of a prefix's snapshots against mlx-lm's save_prompt_cache
-    of the cache, each to a new file, with and without fsync, paired."""
-    snaps = snapshot_prompt_cache(cache, 0)
-    mx.eval([a for s in snaps for a in s.all_arrays()])
-    nbytes = sum(s.nbytes for s in snaps)
+    of the cache, each to a new file, with and without fsync, paired. Every run
+    writes a fresh copy of the cache, where a just-prefilled cache lives (on CUDA,
+    in device memory): a save moves the arrays it writes to host memory for good,
+    so a second save of the same arrays would skip a copy a real save makes."""
+    nbytes = sum(a.nbytes for a in state_arrays(cache))
     tiers = {True: ColdTier(tmp / "w-sync"), False: ColdTier(tmp / "w-nosync", fsync=False)}
     counter = iter(range(10**9))
 
-    def cold(fsync: bool):
+    def cold(fresh, fsync: bool):
+        snaps = snapshot_prompt_cache(fresh, 0)
         tier = tiers[fsync]
         ref = tier.write(NodeId(next(counter).to_bytes(16, "big"), b"\0" * 16, 0, n), snaps)
         return tier.root / ref.path
 
-    def mlx_lm(fsync: bool):
+    def mlx_lm(fresh, fsync: bool):
         path = tmp / f"mlx-lm-{next(counter)}.safetensors"
-        save_prompt_cache(str(path), cache)
+        save_prompt_cache(str(path), fresh)
         if fsync:
             fd = os.open(path, os.O_RDONLY)
             os.fsync(fd)
@@ -334,9 +337,10 @@ def writes(cache, p: Profile, tmp: Path, n: int) -> dict:
 
     def timed(fn, fsync):
         def run():
-            mx.synchronize()
+            fresh = copied(cache)
+            settle()
             t0 = time.perf_counter()
-            path = fn(fsync)
+            path = fn(fresh, fsync)
             dt = time.perf_counter() - t0
             os.unlink(path)
             return dt
@@ -352,6 +356,17 @@ def writes(cache, p: Profile, tmp: Path, n: int) -> dict:
     runs = alternate(paths, p.write_runs)
     rows = {name: {**summarize(ts), "gbps": nbytes / float(np.median(ts)) / 1e9} for name, ts in runs.items()}
     return {"bytes": nbytes, "rows": rows}
+
+
+def copied(cache) -> list:
+    """The cache with every array copied into a new buffer (evaluated)."""
+    out = []
+    for c in cache:
+        twin = copy.copy(c)
+        twin.state = tuple(mx.array(a) if isinstance(a, mx.array) else a for a in c.state)
+        out.append(twin)
+    mx.eval([a for c in out for a in c.state if isinstance(a, mx.array)])
+    return out
 
 
 # --- the host's limits ---------------------------------------------------------------------
