@@ -501,6 +501,7 @@ def parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    top.add_argument("--debug", action="store_true", help="show the traceback of an error (before or after COMMAND)")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     for c in COMMANDS:
         p = sub.add_parser(
@@ -511,8 +512,9 @@ def parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         c.arguments(p)
-        if "--debug" not in p._option_string_actions:
-            p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+        # SUPPRESS: a command's parser leaves `debug` alone unless given, so a --debug
+        # before the command is not reset by the command's default.
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
         p.set_defaults(command=c)
     return top
 
@@ -522,11 +524,13 @@ def main(argv=None) -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["serve"]:
+    debug = argv[:1] == ["--debug"]  # `promptstore --debug COMMAND ...`
+    rest = argv[1:] if debug else argv
+    if rest[:1] == ["serve"]:
         # The server's options are mlx_lm.server's plus the store's: its own parser has them all.
         from .serve import main as serve
 
-        return serve(argv[1:])
+        return serve(rest[1:] + (["--debug"] if debug else []))
     args = parser().parse_args(argv)
     command: Command = args.command
     prog = f"{PROG} {command.name}"

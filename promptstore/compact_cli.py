@@ -1,8 +1,9 @@
 """`tools/compact` and `promptstore compact`: keep a store within budget, repair
 what crashes left, verify it, and report what changed.
 
-Exit codes, as fsck's: 0 clean (nothing to do), 1 repaired (changes made, or
-due in a dry run), 2 failed (an error stopped a step, or compact itself).
+Exit codes, as fsck's: 0 clean (healthy: nothing to do, or routine upkeep only),
+1 repaired (damage found and repaired; in a dry run, found and due), 2 failed (an
+error stopped a step, or compact itself). The table is EPILOG, shown by --help.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import warn_unknown_variables
-from .console import ArgumentParser, Progress, existing_store, guarded, setup_logging
+from .console import ArgumentParser, Progress, guarded, setup_logging
 
 EXIT = {"clean": 0, "repaired": 1, "failed": 2}
 
@@ -24,13 +25,28 @@ SUMMARY = "keep a store within its disk budget, repair and verify it"
 DESCRIPTION = """\
 Brings the snapshot files under the disk budget (evicting leaves, least valuable
 first), reclaims what crashes leave (temporary files of dead writers, files no
-index entry names, entries whose file is gone, drifted counters), merges runs of
-single-child nodes, with --verify reads every file and quarantines bad ones, and
+index entry names, drifted counters), drops entries whose file is gone, merges
+runs of single-child nodes, quarantines bad files (--verify reads them all), and
 compacts the LMDB index. It runs while other processes use the store; the steps
 that need the store idle are skipped then, and reported."""
 EPILOG = """\
-exit status: 0 clean (nothing to do), 1 repaired (changes made, or due in a dry
-run), 2 failed.
+exit status (--json's "status" names it):
+  0  clean     the store is healthy: nothing to do, or routine upkeep only:
+               chains merged, leaves evicted over the budget, leftovers of
+               crashed or racing writers reclaimed (temporary files of dead
+               writers, orphan files no index entry names), counters
+               recounted, index space compacted
+  1  repaired  damage found and repaired: bad files (failing their checks
+               when --verify or a merge reads them) and strays where a
+               snapshot file belongs (a directory, FIFO or symlink)
+               quarantined; index entries whose file is missing or whose data
+               is nowhere, and corrupt index records, dropped; broken children
+               entries rebuilt; a damaged index set aside
+  2  failed    no store there, a damaged index (without --reset-index), a
+               usage error, or a step that failed
+A dry run changes nothing and says "would"; its status means what a run's
+would (1: damage found that a run would repair). --json lists every action:
+its kind, target, reason, whether it is damage, and whether it was done.
 
 examples:
   {prog} --store ~/.cache/promptstore --dry-run
@@ -54,7 +70,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="set a damaged (truncated) index aside and start an empty one; its files are reclaimed",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout (progress stays on stderr)")
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 
 def parser(prog: str = "tools/compact") -> argparse.ArgumentParser:
@@ -65,6 +80,7 @@ def parser(prog: str = "tools/compact") -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return p
 
 
@@ -96,7 +112,7 @@ def execute(args: argparse.Namespace) -> int:
     from .store import default_path
     from .store.compact import compact
 
-    path = existing_store(args.store or default_path())
+    path = args.store or default_path()  # compact refuses a path where no store lives
     budget = args.max_bytes if args.max_bytes is not None else Settings.from_env().disk_bytes
     with Progress().task("compacting", unit="items") as task:
 
@@ -113,21 +129,23 @@ def execute(args: argparse.Namespace) -> int:
             tick=tick,
         )
     if args.json:
-        print(json.dumps({**asdict(report), "status": report.status}, indent=2))
+        print(json.dumps({"status": report.status, **asdict(report)}, indent=2))
     else:
         _print(Console(), report)
     return EXIT[report.status]
 
 
 def _print(console: Console, report) -> None:
-    title = "compact (dry run: nothing changed)" if report.dry_run else "compact"
+    title = "compact --dry-run (nothing changed)" if report.dry_run else "compact"
     table = Table(title=title)
-    for col in ("", "nodes", "files", "bytes"):
+    for col in ("", "", "nodes", "files", "bytes"):
         table.add_column(col, justify="right")
-    table.add_row("before", *(str(report.before.get(k, 0)) for k in ("nodes", "files", "bytes")))
+    table.add_row("before", "", *(str(report.before.get(k, 0)) for k in ("nodes", "files", "bytes")))
+    damage = {a.reason for a in report.log if a.damage}
     for reason, row in report.actions.items():
-        table.add_row(reason, str(row["nodes"]), str(row["files"]), str(row["bytes"]))
-    table.add_row("after", *(str(report.after.get(k, 0)) for k in ("nodes", "files", "bytes")))
+        what = "damage" if reason in damage else "routine"
+        table.add_row(reason, what, str(row["nodes"]), str(row["files"]), str(row["bytes"]))
+    table.add_row("after", "", *(str(report.after.get(k, 0)) for k in ("nodes", "files", "bytes")))
     console.print(table)
     if report.remote is not None:
         r = report.remote
@@ -137,11 +155,28 @@ def _print(console: Console, report) -> None:
             f"{r['local_gone']} no longer held here",
             highlight=False,
         )
+    for a in report.log:  # each repair by name; routine upkeep is in the table (and --json)
+        if a.damage:
+            line = f"{'' if a.done else 'would '}{a.kind}: {a.target} ({a.reason})"
+            console.print(line, highlight=False, soft_wrap=True)  # one line each, for grep
     for line in report.skipped:
         console.print(f"skipped: {line}")
     for line in report.errors:
         console.print(f"[red]error:[/] {line}")
-    console.print(f"{report.status} in {report.seconds:.2f} s")
+    console.print(_verdict(report), highlight=False, soft_wrap=True)
+
+
+def _verdict(report) -> str:
+    """The last line: the status, and what it means for this run."""
+    status, seconds = report.status, f"{report.seconds:.2f} s"
+    if status == "failed":
+        return f"failed in {seconds}: a step failed (see the errors above)"
+    if status == "repaired":
+        if report.dry_run:
+            return f"would repair (dry run, nothing changed; status 1) in {seconds}: damage found"
+        return f"repaired in {seconds}: damage found and repaired"
+    upkeep = "nothing to do" if not report.changed else "routine upkeep " + ("would run" if report.dry_run else "only")
+    return f"clean{' (dry run, nothing changed)' if report.dry_run else ''} in {seconds}: healthy, {upkeep}"
 
 
 if __name__ == "__main__":

@@ -80,14 +80,9 @@ class _Lines(logging.Formatter):
 
 def existing_store(path: str | Path) -> Path:
     """`path` if a store lives there; commands that only read or repair never create one."""
-    root = Path(path)
-    if root.exists() and not root.is_dir():
-        raise StoreDirectoryError(f"{root} is a file; expected a store directory")
-    if not (root / "index" / "data.mdb").is_file():
-        raise StoreDirectoryError(
-            f"no store at {root} (expected a directory a store was opened in); nothing was created"
-        )
-    return root
+    from .store.compact import existing_store as check  # the library's rule (imported late: MLX)
+
+    return check(path)
 
 
 def store_path(path: str | None) -> Path:

@@ -7,6 +7,9 @@ that could take data a live process still holds in memory (dropping nodes
 that have no file) and the LMDB compacting copy need the store idle: they run
 only when compact gets the store's lock exclusively, and are skipped (and
 reported) otherwise.
+
+Every action is routine upkeep (ROUTINE) or a repair of damage; the report's
+status says which it found: clean, repaired, or failed when a step failed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..errors import (
     NodeHasChildrenError,
     NodeNotFoundError,
     PromptStoreError,
+    StoreDirectoryError,
 )
 from ..index import Index
 from ..snapshots.cold import TEMP_MARK
@@ -33,6 +37,36 @@ from .store import PromptStore
 # Files younger than this may be a spill whose index entry is being written.
 ORPHAN_GRACE_S = 600.0
 
+# Why compact acts on a healthy store: its upkeep, and what normal work or a crash
+# leaves behind by design (DESIGN.md, invariant 3: a killed process leaves leftovers
+# compact reclaims). Every other reason is damage: data a record names that is bad
+# or gone, something planted where a snapshot file belongs, damaged index entries.
+ROUTINE = frozenset(
+    {
+        "temporary files",  # a writer died before renaming its file
+        "orphan files",  # a crash between writing and publishing, or unpublishing and deleting
+        "merged chains",
+        "over budget",
+        "counters",  # totals recounted from the trie
+        "remote blobs gone from the server",
+        "LMDB space",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing compact did, or in a dry run would do, and why."""
+
+    kind: str  # the verb: delete, quarantine, unfile, drop, rebuild, merge, evict, recount, forget, compact, set aside
+    target: str  # what it acts on: a path in the store, a node, a namespace, the index
+    reason: str  # why: a row of the report's table
+    damage: bool  # a repair (the store was damaged) rather than routine upkeep
+    done: bool  # False in a dry run: it would be done
+    nodes: int = 0
+    files: int = 0
+    bytes: int = 0
+
 
 @dataclass
 class CompactReport:
@@ -41,13 +75,17 @@ class CompactReport:
     dry_run: bool
     before: dict = field(default_factory=dict)
     after: dict = field(default_factory=dict)
-    actions: dict = field(default_factory=dict)  # reason -> {"nodes", "files", "bytes"}
+    actions: dict = field(default_factory=dict)  # reason -> {"nodes", "files", "bytes"}: the log's totals
+    log: list = field(default_factory=list)  # every Action, in order
     skipped: list = field(default_factory=list)
     errors: list = field(default_factory=list)
     seconds: float = 0.0
     remote: dict | None = None  # with a remote tier: what this store published, what is stale
 
-    def add(self, reason: str, nodes: int = 0, files: int = 0, nbytes: int = 0) -> None:
+    def add(self, kind: str, target: str, reason: str, nodes: int = 0, files: int = 0, nbytes: int = 0) -> None:
+        """Record an action (done, or in a dry run due); its reason says whether it repairs damage."""
+        action = Action(kind, target, reason, reason not in ROUTINE, not self.dry_run, nodes, files, nbytes)
+        self.log.append(action)
         row = self.actions.setdefault(reason, {"nodes": 0, "files": 0, "bytes": 0})
         row["nodes"] += nodes
         row["files"] += files
@@ -58,11 +96,17 @@ class CompactReport:
         return any(any(v for v in row.values()) for row in self.actions.values())
 
     @property
+    def damaged(self) -> bool:
+        """Whether compact found damage (and repaired it, or in a dry run would)."""
+        return any(a.damage for a in self.log)
+
+    @property
     def status(self) -> str:
-        """clean (nothing to do), repaired (changes made or due), failed."""
+        """clean: healthy, whatever routine upkeep ran; repaired: damage found and repaired
+        (a dry run: found, and a run would repair it); failed: a step failed."""
         if self.errors:
             return "failed"
-        return "repaired" if self.changed else "clean"
+        return "repaired" if self.damaged else "clean"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -82,6 +126,23 @@ def _temp_pid(path: Path) -> int | None:
         return None
 
 
+def _node(key: bytes, start: int, end: int) -> str:
+    return f"node {key.hex()} [{start}, {end})"
+
+
+def existing_store(path: str | os.PathLike) -> Path:
+    """`path` if a store lives there, else StoreDirectoryError: what only reads or
+    repairs a store (compact, stats) never creates one."""
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise StoreDirectoryError(f"{root} is a file; expected a store directory")
+    if not (root / "index" / "data.mdb").is_file():
+        raise StoreDirectoryError(
+            f"no store at {root} (expected a directory a store was opened in); nothing was created"
+        )
+    return root
+
+
 class Compactor:
     """One compact run over an open store."""
 
@@ -89,6 +150,9 @@ class Compactor:
         self.store, self.report, self.tick = store, report, tick
         self.index, self.tiers, self.files = store.index, store.tiers, store.tiers.filing
         self.dry = report.dry_run
+        # Files this run unfiled (missing, or quarantined), or in a dry run would: later
+        # steps treat their nodes as having none, and report each file once.
+        self.unfiled: set[str] = set()
 
     # --- inventory ------------------------------------------------------------------
 
@@ -114,6 +178,19 @@ class Compactor:
                     continue
         return out
 
+    def _names(self, node, rel: str) -> bool:
+        """Whether the index still has `node` naming `rel`: what a step found may be
+        another process's ordinary work meanwhile (an eviction, a join), not damage."""
+        current = self.index.get(node.key)
+        try:
+            return current is not None and current.id == node.id and current.record.file == rel
+        except CorruptRecordError:
+            return False
+
+    def _where(self, path: Path) -> str:
+        """A path as the report names it: relative to the store."""
+        return os.path.relpath(path, self.store.path)
+
     # --- steps ------------------------------------------------------------------------
 
     def strays(self) -> None:
@@ -123,7 +200,7 @@ class Compactor:
         for rel, kind in list(self.files.strays()):
             if not self.dry and not self.files.set_aside(rel):
                 continue  # gone meanwhile
-            self.report.add(f"stray {kind}", files=1)
+            self.report.add("quarantine", self._where(self.files.path(rel)), f"stray {kind}", files=1)
             self.tick("strays")
 
     def temp_files(self) -> None:
@@ -138,7 +215,7 @@ class Compactor:
                 continue
             if not self.dry:
                 path.unlink(missing_ok=True)
-            self.report.add("temporary files", files=1, nbytes=size)
+            self.report.add("delete", self._where(path), "temporary files", files=1, nbytes=size)
             self.tick("temporary files")
 
     def children_entries(self) -> None:
@@ -147,7 +224,7 @@ class Compactor:
         an entry and an insert through it is refused, run after run, until then."""
         changed = self.index.repair_children(dry_run=self.dry)
         if changed:
-            self.report.add("children entries", nodes=changed)
+            self.report.add("rebuild", "index: children entries", "children entries", nodes=changed)
             self.tick("children entries")
 
     def dangling_entries(self) -> None:
@@ -155,36 +232,49 @@ class Compactor:
         for rel, node in self._filed().items():
             if self.files.path(rel).exists():
                 continue
-            if not self.dry:
-                self.files.unfile(node.id, rel)
-            self.report.add("missing files", nodes=1)
+            if self.dry:
+                if not (self._names(node, rel) and not self.files.path(rel).exists()):
+                    continue  # evicted or re-filed meanwhile
+            elif not self.files.unfile(node.id, rel):
+                continue
+            self.unfiled.add(rel)
+            self.report.add("unfile", self._where(self.files.path(rel)), "missing files", nodes=1)
             self.tick("missing files")
 
     def corrupt_records(self) -> None:
         """Index records that fail their checksum block inserts through them:
         drop them with their subtree (the files become orphans, reclaimed next)."""
         for key in self.index.corrupt_nodes():
-            if self.dry:
-                self.report.add("corrupt index records", nodes=1)
-                continue
-            removed = self.index.drop_subtree(key)
-            self.report.add("corrupt index records", nodes=removed)
+            removed = 1 if self.dry else self.index.drop_subtree(key)
+            self.report.add("drop", f"node {key.hex()} and its subtree", "corrupt index records", nodes=removed)
             self.tick("corrupt index records")
 
     def verify(self) -> None:
         """Read every file and check it; bad ones are quarantined, never deleted."""
         for rel, node in self._filed().items():
-            try:
-                self.files.load(rel, node.id)
-            except ColdFileError as e:
-                try:
-                    size = self.files.path(rel).stat().st_size
-                except OSError:
-                    size = 0
-                if not self.dry:
-                    self.files.quarantine(node.id, e)
-                self.report.add(f"failed verify ({e.reason})", nodes=1, files=1, nbytes=size)
+            if rel not in self.unfiled:
+                self._load(node, rel)
             self.tick("verify")
+
+    def _load(self, node, rel: str) -> list | None:
+        """The node's snapshots, read from its file and verified. A bad file is damage,
+        whichever step reads it: quarantined (in a dry run: would be) and reported.
+        Never through the tiers, which would repair unreported, even in a dry run."""
+        try:
+            return self.files.load(rel, node.id)
+        except ColdFileError as e:
+            if rel in self.unfiled or not self._names(node, rel):
+                return None  # reported already, or evicted or merged while it was read
+            try:
+                size = self.files.path(rel).stat().st_size
+            except OSError:
+                size = 0
+            if not self.dry:
+                self.files.quarantine(node.id, e)
+            self.unfiled.add(rel)
+            where = self._where(self.files.path(rel))
+            self.report.add("quarantine", where, f"failed verify ({e.reason})", nodes=1, files=1, nbytes=size)
+            return None
 
     def orphan_files(self) -> None:
         """Files no index entry names (a crash between writing and publishing, or
@@ -202,7 +292,7 @@ class Compactor:
                 continue
             if not self.dry:
                 self.files.discard(rel)
-            self.report.add("orphan files", files=1, nbytes=size)
+            self.report.add("delete", self._where(path), "orphan files", files=1, nbytes=size)
             self.tick("orphan files")
 
     def dataless_nodes(self) -> None:
@@ -217,20 +307,18 @@ class Compactor:
             for ns in self.index.namespaces():
                 for node in list(self.index.iter_nodes(ns)):
                     try:
-                        filed = bool(node.record.file)
+                        filed = bool(node.record.file) and node.record.file not in self.unfiled
                     except CorruptRecordError:
                         filed = False
                     if filed or not self.index.is_leaf(node.key):
                         continue
-                    if self.dry:
-                        self.report.add("nodes without data", nodes=1)
-                        continue
-                    try:
-                        self.index.remove(ns, node.key)
-                    except (NodeHasChildrenError, NodeNotFoundError):
-                        continue
-                    self.report.add("nodes without data", nodes=1)
-                    changed = True
+                    if not self.dry:
+                        try:
+                            self.index.remove(ns, node.key)
+                        except (NodeHasChildrenError, NodeNotFoundError):
+                            continue
+                        changed = True
+                    self.report.add("drop", _node(node.key, node.start, node.end), "nodes without data", nodes=1)
 
     def merge_chains(self) -> None:
         """Runs of single-child nodes (a conversation inserted turn by turn) become
@@ -253,14 +341,18 @@ class Compactor:
     def _join(self, ns, node, child) -> bool:
         if node.record.nbytes + child.record.nbytes > self.tiers.settings.node_bytes:
             return False  # a chain of nodes of about node_bytes reads side by side
-        upper, lower = self.tiers.get(node), self.tiers.get(child)
+        if not (node.record.file and child.record.file):
+            return False  # data only in another process's memory: it files it
+        upper = self._load(node, node.record.file)
+        lower = None if upper is None else self._load(child, child.record.file)
         if upper is None or lower is None:
             return False
         layers = join_nodes(upper, lower, node.start)
         if layers is None:
             return False
+        joined = _node(node.key, node.start, child.end)
         if self.dry:
-            self.report.add("merged chains", nodes=1, files=1)
+            self.report.add("merge", joined, "merged chains", nodes=1, files=1)
             return False
         record = child.record.model_copy(
             update={
@@ -277,7 +369,7 @@ class Compactor:
             return False
         self.tiers.forget(node.key)
         self.tiers.forget(child.key)
-        self.report.add("merged chains", nodes=1, files=1)
+        self.report.add("merge", joined, "merged chains", nodes=1, files=1)
         return True
 
     def budget(self, max_bytes: int) -> None:
@@ -286,11 +378,12 @@ class Compactor:
         over = sum(max(sum(n.record.nbytes for n in nodes) - max_bytes, 0) for nodes in tenants)
         if not over:
             return
+        target = f"snapshot files over {max_bytes} bytes per tenant"
         if self.dry:
-            self.report.add("over budget", nbytes=over)
+            self.report.add("evict", target, "over budget", nbytes=over)
             return
         nodes, freed = self.tiers.evict_cold(max_bytes)
-        self.report.add("over budget", nodes=nodes, files=nodes, nbytes=freed)
+        self.report.add("evict", target, "over budget", nodes=nodes, files=nodes, nbytes=freed)
 
     def counters(self) -> None:
         """Bring the per-namespace totals back to what the trie holds."""
@@ -305,7 +398,7 @@ class Compactor:
             if drift:
                 if not self.dry:
                     self.index.bump(ns, **drift)
-                self.report.add("counters", nodes=len(drift))
+                self.report.add("recount", f"namespace {ns.hex}", "counters", nodes=len(drift))
 
     def remote_ledger(self) -> None:
         """With a remote tier: forget published blobs the server no longer has, and
@@ -316,7 +409,7 @@ class Compactor:
         if not self.dry and remote.available():
             dropped = prune_ledger(self.store.path, remote.client)
             if dropped:
-                self.report.add("remote blobs gone from the server", files=dropped)
+                self.report.add("forget", "remote ledger", "remote blobs gone from the server", files=dropped)
         self.report.remote = remote.summary(lambda key: self.index.get(key) is not None)
 
     @property
@@ -336,14 +429,17 @@ def compact(
     tick: Callable[[str], None] = lambda step: None,
 ) -> CompactReport:
     """Repair and shrink the store at `path`; see the module docstring for what runs when.
+    A path where no store lives raises StoreDirectoryError, and nothing is created.
 
+    dry_run: find and report everything, change nothing (the status means what a run's would).
     reset_index: an index that opening refuses as damaged (IndexCorruptError) is moved
     aside and an empty one started; its snapshot files are then reclaimed as orphans.
     """
+    path = existing_store(path)
     report = CompactReport(dry_run=dry_run)
     started = time.perf_counter()
     if reset_index:
-        _reset_index(Path(path), report)
+        _reset_index(path, report)
         if dry_run and report.actions:
             report.seconds = time.perf_counter() - started
             return report  # the rest would run on an index that is not there yet
@@ -386,7 +482,8 @@ def _reset_index(root: Path, report: CompactReport) -> None:
             return
         moved = Index.set_aside(root / "index", dry_run=report.dry_run)
         if moved is not None:
-            report.add(f"damaged index set aside (kept as {Path(moved).name})", files=1)
+            kept = Path(moved).name
+            report.add("set aside", f"index (kept as {kept})", f"damaged index set aside (kept as {kept})", files=1)
 
 
 def _compact_lmdb(root: Path, report: CompactReport) -> None:
@@ -395,4 +492,4 @@ def _compact_lmdb(root: Path, report: CompactReport) -> None:
         if not held:
             report.skipped.append("LMDB compaction (the store is in use)")
             return
-        report.add("LMDB space", nbytes=Index.compact_in_place(root / "index"))
+        report.add("compact", "index", "LMDB space", nbytes=Index.compact_in_place(root / "index"))

@@ -86,6 +86,17 @@ def test_debug_shows_the_traceback(cli, tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("promptstore generate: error: --model")
 
 
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_works_before_or_after_the_command(cli, tmp_path, where):
+    nowhere = tmp_path / "nowhere"
+    args = ["compact", "--store", str(nowhere)]
+    proc = cli(*(["--debug", *args] if where == "before" else [*args, "--debug"]))
+    assert proc.returncode == 2  # compact's "failed"
+    assert "Traceback" in proc.stderr and "StoreDirectoryError" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"promptstore compact: error: no store at {nowhere}")
+    assert not nowhere.exists()
+
+
 def test_any_exception_is_one_line_and_the_failed_status(capsys):
     def boom() -> int:
         raise RuntimeError("the disk\nmelted")

@@ -54,7 +54,10 @@ def test_compact_help_names_the_command_it_was_called_as(cli):
         # The whole description, to its last sentence, and the exit codes.
         assert "compacts the LMDB index. It runs while other processes use the store" in out
         assert "that need the store idle are skipped then, and reported.\n" in out
-        assert "0 clean (nothing to do), 1 repaired" in out and "2 failed" in out
+        # One table of exit statuses: routine upkeep is clean, damage is repaired.
+        assert "\n  0  clean     the store is healthy: nothing to do, or routine upkeep" in out
+        assert "\n  1  repaired  damage found and repaired" in out and "\n  2  failed  " in out
+        assert 'A dry run changes nothing and says "would"' in out
         assert f"\n  {prog} --verify" in out
 
 

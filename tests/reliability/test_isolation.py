@@ -321,7 +321,8 @@ def attacker_keeps(root, victim: bool, tier: str) -> list[int]:
         key = attacker.namespace.key
         hot = [e.node for e in store.tiers.hot.entries.values() if e.node.namespace == key]
     if tier == "disk":
-        assert compact(root, max_bytes=BUDGET, merge=False, lmdb=False).status == "repaired"
+        report = compact(root, max_bytes=BUDGET, merge=False, lmdb=False)
+        assert report.status == "clean" and report.actions["over budget"]["nodes"] > 0  # eviction: upkeep
         with PromptStore.open(root) as store:
             space = store.bind(model, model_id=MODEL_ID, salt=ATTACKER)
             kept = [n.id for n in store.index.iter_nodes(space.namespace) if n.record.file]
