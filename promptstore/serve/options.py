@@ -94,6 +94,19 @@ def _add_options(group) -> None:
         "and each salt is a namespace no other tenant shares or times",
     )
     group.add_argument(
+        "--metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve Prometheus metrics at /metrics (default: on; --no-metrics answers 404). With --api-keys "
+        "only the key of --metrics-key-file reads them, never a tenant's key",
+    )
+    group.add_argument(
+        "--metrics-key-file",
+        metavar="FILE",
+        help="a file holding the operator's key: /metrics then needs 'Authorization: Bearer <key>' (401 without "
+        "it, 403 for a tenant's API key). Without it /metrics is open, or refused to all (403) with --api-keys",
+    )
+    group.add_argument(
         "--max-prompt-tokens",
         type=int,
         help="longest prompt accepted, in tokens (default: the model's max_position_embeddings, when known)",

@@ -1,6 +1,7 @@
 """`promptstore serve`: mlx_lm.server, run as it is, with subclasses adding API
-keys and tenants, the one served model (never a download), prompt checks in the
-HTTP thread, a log line per request, and a clean close of the store on SIGTERM."""
+keys and tenants, the one served model (never a download), prompt and request
+shape checks in the HTTP thread, a log line per request, /metrics and /health's
+states, and a clean close of the store on SIGTERM."""
 
 from __future__ import annotations
 
@@ -18,13 +19,16 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..console import model_dir
 from ..errors import PromptStoreError, ServeRequestError
 from ..store import PromptStore
 from .cache import StoreCache, split_segments
+from .metrics import HitFigures, MetricsAccess, ServeMetrics, load_metrics_key
 from .options import build_parser, store_settings
 from .replies import ChatTurn
+from .shapes import check_max_tokens, check_messages
 from .tenants import PUBLIC, KeyRing, Tenant, load_api_keys
 from .warmup import read_libraries, runtime_libraries, warm_up
 
@@ -152,6 +156,10 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
     def __init__(self, provider: StoreModelProvider, cache: StoreCache, keyring: KeyRing):
         # Set before super().__init__, which starts the generation thread.
         self.store_cache, self.keyring = cache, keyring
+        args = provider.cli_args
+        self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
+        self.metrics_access = MetricsAccess(args.metrics, getattr(args, "metrics_key", None), keyring)
+        self.metrics_access.warn()
         super().__init__(provider, cache)
 
     @property
@@ -167,6 +175,26 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
     @property
     def is_healthy(self) -> bool:
         return self.generation_available() and self.model_provider.ready
+
+    def health(self) -> tuple[int, dict]:
+        """/health's status and body: 503 "loading" until the model is loaded and
+        warmed up, "unavailable" if generation stopped; then 200, "warming" while a
+        warm start reads the store (requests are served meanwhile), else "ok". With
+        --api-keys the warm start's figures are left out: they count every tenant's data."""
+        provider = self.model_provider
+        body: dict = {"status": "ok", "model_loaded": provider.model is not None}
+        if not self.generation_available():
+            return 503, body | {"status": "unavailable"}
+        if not provider.ready:
+            return 503, body | {"status": "loading"}
+        warming = self.store_cache.store.warming
+        if warming is not None:
+            progress = warming.progress()
+            keep = ("done",) if self.keyring.required else ("done", "nodes", "bytes", "planned_nodes", "planned_bytes")
+            body["warm_start"] = {k: progress[k] for k in keep}
+            if warming.running:
+                body["status"] = "warming"
+        return 200, body
 
     @property
     def max_prompt_tokens(self) -> int | None:
@@ -195,6 +223,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         tracked, checkpoints = self.store_cache.begin(tenant, prompt, chat, ends, cacheable=vision is None)
         timeline["fetched"] = time.perf_counter()
         hit = self.store_cache.last_hit
+        timeline["restored"] = HitFigures.of(hit)  # for /metrics, when the request ends
         if hit is not None and hit.length:
             timeline["from_disk"] = hit.cold_tokens
             timeline["plan"] = hit.plan.mode if hit.plan is not None else "memory"
@@ -269,11 +298,14 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
             timeline["done"] = time.perf_counter()
             prompt, restored = len(ctx.prompt), max(ctx.prompt_cache_count, 0)
             phases = request_phases(timeline, self.store_cache.busy_between)
+            tenant = getattr(request, "tenant", PUBLIC)
+            first = phases["ttft_ms"] / 1e3 if "ttft_ms" in phases else None
+            self.metrics.served(tenant, prompt, restored, timeline.get("restored"), first, produced)
             ttft = f"{phases['ttft_ms']:.1f} ms" if "ttft_ms" in phases else "none"
             source = f" ({timeline['from_disk']} from disk, {timeline['plan']})" if "plan" in timeline else ""
             log.info(
                 "request (%s): prompt %d tokens, restored %d%s, prefilled %d, TTFT %s, %d tokens generated; %s",
-                getattr(request, "tenant", PUBLIC).label,
+                tenant.label,
                 prompt,
                 restored,
                 source,
@@ -314,9 +346,34 @@ class StoreHandler(mlx_server.APIHandler):
             super().do_POST()
 
     def do_GET(self):
+        if self.path.split("?")[0] == "/metrics":
+            self.handle_metrics()
+            return
         if self.path.startswith("/v1/") and self._authorize() is None:
             return
         super().do_GET()
+
+    def handle_metrics(self) -> None:
+        """Prometheus's text format, for whoever MetricsAccess lets read it."""
+        generator = self.response_generator
+        refusal = generator.metrics_access.refusal(self.headers.get("Authorization"))
+        if refusal is not None:
+            self._error(*refusal)
+            return
+        body = generator.metrics.render()
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+
+    def handle_health_check(self) -> None:
+        status, body = self.response_generator.health()
+        self._set_completion_headers(status)
+        self.end_headers()
+        self.wfile.write(json.dumps(body).encode())
+        self.wfile.flush()
 
     def _authorize(self) -> Tenant | None:
         tenant = self.response_generator.keyring.tenant(self.headers.get("Authorization"))
@@ -340,6 +397,14 @@ class StoreHandler(mlx_server.APIHandler):
         self.end_headers()
         self.wfile.write(json.dumps({"error": message}).encode())
         self.wfile.flush()
+
+    def validate_model_parameters(self) -> None:
+        check_max_tokens(self.body)  # before mlx-lm's own checks, which take true for 1
+        super().validate_model_parameters()
+
+    def handle_chat_completions(self):
+        check_messages(self.body)  # mlx-lm walks the messages before anything checks their shape
+        return super().handle_chat_completions()
 
     def handle_models_request(self):
         provider = self.response_generator.model_provider
@@ -427,6 +492,7 @@ def main(argv=None) -> int:
         try:
             args.model = str(model_dir(args.model))  # a local directory: nothing is ever downloaded
             keyring = KeyRing(load_api_keys(args.api_keys) if args.api_keys else None)
+            args.metrics_key = load_metrics_key(args.metrics_key_file, keyring) if args.metrics_key_file else None
             store = PromptStore.open(args.store, **store_settings(args))
         except PromptStoreError as e:
             if args.debug:

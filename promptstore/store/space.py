@@ -34,6 +34,7 @@ from ..identity import NodeId
 from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, prefix_key
 from ..snapshots.device import host_readable
 from . import plan
+from .metrics import model_label
 from .plan import Choice
 from .tokens import model_tokens, vocabulary_size
 
@@ -61,6 +62,8 @@ class Hit:
         from disk (a split cold hit; see plan.py).
     plan: how a hit with nodes on disk was served (load, recompute, split), None
         when every node was in memory.
+    nbytes: bytes of the stored nodes the hit restored from (fetched, for a
+        remote hit).
     matched: prompt tokens the store holds (at most len(tokens) - 1): what a
         model of attention layers only would restore; a model with window or
         recurrent layers restores at or before it.
@@ -77,6 +80,7 @@ class Hit:
     matched: int = 0
     computed: int = 0
     plan: Choice | None = None
+    nbytes: int = 0
 
 
 def layer_spec(cache: Any, dtype: str) -> LayerSpec:
@@ -111,6 +115,13 @@ def weights_digest(model: nn.Module) -> str:
         # A copy the host reads: on CUDA the weights themselves stay on the device.
         h.update(memoryview(mx.contiguous(host_readable({"p": p})["p"])))
     return h.hexdigest()
+
+
+def _nbytes(node: Node) -> int:
+    try:
+        return node.record.nbytes
+    except CorruptRecordError:
+        return 0
 
 
 def _span(snapshots) -> tuple[int, int] | None:
@@ -158,6 +169,7 @@ class Space:
         self._flushed = time.monotonic()
         self._signatures: list | None = None
         self.vocabulary = vocabulary_size(model)
+        self.model_label = model_label(namespace.spec)  # what the store's metrics name its model
 
     @classmethod
     def bind(
@@ -211,6 +223,7 @@ class Space:
         if len(toks) < 2:
             self._account([], misses=1)
             self.last_hit = Hit(0, cache, self._grid(0, len(toks)), seconds=time.perf_counter() - start)
+            self.tiers.meter.fetched(self.model_label, len(toks), self.last_hit)
             return self.last_hit
         match = self.index.lookup(self.namespace, toks[:-1])
         for key in match.corrupt:
@@ -220,9 +233,10 @@ class Space:
         restored = plan.restore_hit(self, cache, path, target, toks) if path else None
         length, used, cold = (restored.length, restored.used, restored.cold) if restored else (0, 0, ())
         computed = restored.computed if restored else 0
+        nbytes = sum(_nbytes(n) for n in path[:used])
         remote = self._fetch_remote(toks, length)
         if remote is not None:
-            (length, cache), used, cold, computed = remote, 0, (), 0  # the remote hit replaces the local one
+            (length, cache, nbytes), used, cold, computed = remote, 0, (), 0  # the remote hit replaces the local one
         cold_tokens = sum(min(n.end, length) - n.start for n in cold if n.start < length)
         if length:
             self._account(path[:used], hits=1, tokens_served=length, **self._saved_by_checkpoint(path[:used], length))
@@ -243,8 +257,10 @@ class Space:
             matched=match.matched,
             computed=computed,
             plan=restored.choice if restored and remote is None else None,
+            nbytes=nbytes if length else 0,
         )
         self.last_hit = hit
+        self.tiers.meter.fetched(self.model_label, len(toks), hit)
         return hit
 
     def _tokens(self, tokens):
@@ -329,8 +345,9 @@ class Space:
 
     def _fetch_remote(self, toks: np.ndarray, length: int):
         """A longer prefix than `length` from the remote tier: (its length, a cache
-        restored to it), also stored here (cold, and hot if it fits); None if the
-        server has none, is unreachable or answers something that fails its checks."""
+        restored to it, the bytes fetched), also stored here (cold, and hot if it
+        fits); None if the server has none, is unreachable or answers something
+        that fails its checks."""
         remote = self.tiers.remote
         if remote is None or len(toks) - 1 - length < MIN_REMOTE_GAIN:
             return None
@@ -344,7 +361,7 @@ class Space:
                 cache = self.new_cache()
                 if self.restored(cache, chains, end, None) and self._keep_remote(toks[:end], cache, path, length):
                     self.tiers.counts["remote_tokens"] += end
-                    return end, cache
+                    return end, cache, got.nbytes
             path, snaps = path[:-1], snaps[:-1]
             target = path[-1].end if path else 0
         return None

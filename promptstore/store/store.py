@@ -20,6 +20,7 @@ import platformdirs
 from ..config import Settings
 from ..errors import StoreDirectoryError
 from ..index import Index
+from .metrics import StoreMetrics, WarmStart
 from .space import Space
 from .tiers import Tiers
 from .warm import Warmer
@@ -93,6 +94,24 @@ class PromptStore:
             budget = self.settings.hot_bytes if budget is None else budget
             self.warming = Warmer(self.index, self.tiers, budget, namespaces).start()
         return self.warming
+
+    def metrics(self) -> StoreMetrics:
+        """What this store did since it opened, in this process (fetches by model and
+        the tokens they restored by tier, evictions, files written, quarantines), its
+        size against the budgets, and the warm start's progress (promptstore.store.metrics)."""
+        stats = self.index.stats()  # raises IndexStoreError once closed
+        remote = self.tiers.remote.counts if self.tiers.remote is not None else {}
+        return self.tiers.meter.snapshot(
+            remote_written=remote.get("remote_published", 0),
+            remote_written_bytes=remote.get("remote_published_bytes", 0),
+            hot_nodes=len(self.tiers.hot),
+            hot_bytes=self.tiers.hot.nbytes,
+            hot_budget_bytes=self.settings.hot_bytes,
+            stored_nodes=stats["nodes"],
+            stored_bytes=stats["nbytes"],
+            disk_budget_bytes=self.settings.disk_bytes,
+            warm_start=None if self.warming is None else WarmStart(**self.warming.progress()),
+        )
 
     def flush(self) -> None:
         """Wait for queued spills."""

@@ -33,6 +33,7 @@ from ..snapshots.cold import PendingLoad
 from ..snapshots.remote import LocalLink, PublishItem, RemoteTier
 from ..snapshots.value import value
 from .filing import Filing, filed
+from .metrics import Meter
 
 log = logging.getLogger("promptstore.store")
 
@@ -57,6 +58,7 @@ class Tiers:
         )
         self.hot = HotTier(settings.hot_bytes)
         self.counts: Counter = Counter()
+        self.meter = Meter()  # what PromptStore.metrics() reports
         self.filing = Filing(index, self.cold, self.counts)
         self.writer = Writer(self.cold, self._publish, self._failed, settings.writer_queue)
         self.pending: dict[bytes, SpillJob] = {}  # evicted from memory, not yet on disk
@@ -130,9 +132,14 @@ class Tiers:
             self.writer.write_now(SpillJob(node, snapshots))
         elif through:
             self._submit(SpillJob(node, snapshots))
+        self._count_evicted(evicted)
         for entry in evicted:
             if entry.dirty and not (entry.key == node.key and (mode == "sync" or through)):
                 self._submit(self._spill_job(entry))
+
+    def _count_evicted(self, entries) -> None:
+        if entries:
+            self.meter.evicted("hot", len(entries), sum(e.nbytes for e in entries))
 
     def tenant(self, namespace: bytes) -> Hashable:
         """Whose budgets a namespace's nodes count against: its tenant digest (None
@@ -305,14 +312,16 @@ class Tiers:
         if not self._first_to_finish(node, pending):
             return snapshots
         self.counts["cold_loads"] += 1
-        for entry in self.hot.put(
+        evicted = self.hot.put(
             node.key,
             snapshots,
             prefill_seconds=node.record.prefill_seconds,
             dirty=False,
             node=node.id,
             group=self.tenant(node.namespace),
-        ):
+        )
+        self._count_evicted(evicted)
+        for entry in evicted:
             if entry.dirty:
                 self._submit(self._spill_job(entry))
         return snapshots
@@ -339,6 +348,8 @@ class Tiers:
         """A miss: report it, quarantine the file, and stop pointing at it."""
         self.report(error.reason, node.key, str(error))
         self.filing.quarantine(node.id, error)
+        if error.reason != "missing":  # a missing file is only unfiled
+            self.meter.add(quarantined_files=1)
 
     def report(self, reason: str, key: bytes, detail: str) -> None:
         self.counts[f"miss_{reason}"] += 1
@@ -349,6 +360,7 @@ class Tiers:
 
     def _publish(self, job: SpillJob) -> None:
         key = job.node.key
+        self.meter.add(files_written=1, disk_written_bytes=job.ref.nbytes)  # on disk, whether named or not
         try:
             if self.filing.publish(job, "both" if key in self.hot else "cold"):
                 self.hot.mark_clean(key)
@@ -439,6 +451,7 @@ class Tiers:
             if self.filing.retire(self.index.namespace(victim.namespace), victim.id) is None:
                 continue  # another process changed it meanwhile
             self.forget(victim.key)
+            self.meter.evicted("cold", 1, victim.record.nbytes)
             removed, freed, total = removed + 1, freed + victim.record.nbytes, total - victim.record.nbytes
             parent = nodes.get(victim.parent)
             if parent is not None and self.index.is_leaf(parent.key):

@@ -1,0 +1,278 @@
+"""`promptstore serve`'s /metrics, in Prometheus's text format (prometheus-client,
+a registry of the server's own): what requests got (tokens by tier, time to first
+token, restore time), observed as each request ends, and the store's counters and
+sizes (PromptStore.metrics()), read at each scrape. MetricsAccess says who may read
+them: with --api-keys, only the operator's key, never a tenant's."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..errors import PromptStoreError, ServeConfigError
+from ..store import PromptStore
+from ..store.metrics import SOURCES, TIERS, StoreMetrics, hit_sources, hit_tier
+from .tenants import KeyRing, Tenant
+
+log = logging.getLogger("promptstore.serve")
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RESTORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class HitFigures:
+    """What a request's hit restored, kept from its fetch until the request ends."""
+
+    sources: dict[str, int]  # tokens by where they came from (store.metrics.SOURCES)
+    tier: str  # the slowest tier it read
+    nbytes: int
+    seconds: float
+
+    @classmethod
+    def of(cls, hit) -> HitFigures | None:
+        if hit is None or not hit.length:
+            return None
+        return cls(hit_sources(hit), hit_tier(hit), hit.nbytes, hit.seconds)
+
+
+class ServeMetrics:
+    """The server's registry: request metrics labelled by the served model (and,
+    with --api-keys, counts by tenant label), plus a collector of the store's."""
+
+    def __init__(self, store: PromptStore, model: str, keyring: KeyRing):
+        self.model = model
+        # *_created series are noise on a scrape; the switch is process-wide, and this process serves.
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        self._request_metrics()
+        self.by_tenant = keyring.required
+        if self.by_tenant:
+            self._tenant_metrics(keyring.tenants())
+        self.registry.register(StoreCollector(store))
+
+    def _request_metrics(self) -> None:
+        r, m = self.registry, ["model"]
+        self.requests = Counter("promptstore_requests", "Completion requests served", m, registry=r)
+        self.hits = Counter(
+            "promptstore_request_hits", "Requests whose prompt the store partly restored", m, registry=r
+        )
+        self.prompt_tokens = Counter("promptstore_prompt_tokens", "Prompt tokens of the requests", m, registry=r)
+        self.restored_tokens = Counter(
+            "promptstore_restored_tokens",
+            "Prompt tokens restored from the store (the cached_tokens responses report), by source: "
+            "hot (memory), cold (disk), remote, computed (the head of a split cold hit)",
+            [*m, "source"],
+            registry=r,
+        )
+        self.prefilled_tokens = Counter(
+            "promptstore_prefilled_tokens", "Prompt tokens the model prefilled", m, registry=r
+        )
+        self.generated_tokens = Counter("promptstore_generated_tokens", "Tokens generated", m, registry=r)
+        self.ttft = Histogram(
+            "promptstore_time_to_first_token_seconds",
+            "From a request's arrival to its first token",
+            m,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.restore_seconds = Histogram(
+            "promptstore_restore_seconds",
+            "Seconds a hit's fetch took, by the slowest tier it read",
+            [*m, "tier"],
+            buckets=RESTORE_BUCKETS,
+            registry=r,
+        )
+        self.restore_bytes = Counter(
+            "promptstore_restore_bytes",
+            "Bytes of stored nodes hits restored from, by the slowest tier they read",
+            [*m, "tier"],
+            registry=r,
+        )
+        for metric in (self.requests, self.hits, self.prompt_tokens, self.prefilled_tokens, self.generated_tokens):
+            metric.labels(self.model)  # every series from the start, at 0
+        self.ttft.labels(self.model)
+        for source in SOURCES:
+            self.restored_tokens.labels(self.model, source)
+        for tier in TIERS:
+            self.restore_seconds.labels(self.model, tier)
+            self.restore_bytes.labels(self.model, tier)
+
+    def _tenant_metrics(self, tenants: tuple[Tenant, ...]) -> None:
+        """Counts per tenant label (tenant-1, ...: never a key or a salt), for the operator."""
+        r, labels = self.registry, ["model", "tenant"]
+        self.tenant_requests = Counter("promptstore_tenant_requests", "Requests served, by tenant", labels, registry=r)
+        self.tenant_prompt_tokens = Counter(
+            "promptstore_tenant_prompt_tokens", "Prompt tokens, by tenant", labels, registry=r
+        )
+        self.tenant_restored_tokens = Counter(
+            "promptstore_tenant_restored_tokens", "Prompt tokens restored from the store, by tenant", labels, registry=r
+        )
+        for tenant in tenants:
+            for metric in (self.tenant_requests, self.tenant_prompt_tokens, self.tenant_restored_tokens):
+                metric.labels(self.model, tenant.label)
+
+    def served(
+        self,
+        tenant: Tenant,
+        prompt: int,
+        restored: int,
+        hit: HitFigures | None,
+        ttft: float | None,
+        generated: int,
+    ) -> None:
+        """A request ended: `restored` of its `prompt` tokens came from the store (the
+        cached_tokens it reported), `hit` says from where; ttft in seconds, None
+        when no token came."""
+        model = self.model
+        self.requests.labels(model).inc()
+        self.prompt_tokens.labels(model).inc(prompt)
+        self.prefilled_tokens.labels(model).inc(prompt - restored)
+        self.generated_tokens.labels(model).inc(generated)
+        if ttft is not None:
+            self.ttft.labels(model).observe(ttft)
+        if restored:
+            self.hits.labels(model).inc()
+            self._restored(restored, hit)
+        if self.by_tenant:
+            self.tenant_requests.labels(model, tenant.label).inc()
+            self.tenant_prompt_tokens.labels(model, tenant.label).inc(prompt)
+            self.tenant_restored_tokens.labels(model, tenant.label).inc(restored)
+
+    def _restored(self, restored: int, hit: HitFigures | None) -> None:
+        if hit is None or sum(hit.sources.values()) != restored:
+            # Not the hit fetched for it (mlx-lm restored something else): its source is unknown.
+            log.debug("restored %d tokens without a matching hit: counted as hot", restored)
+            self.restored_tokens.labels(self.model, "hot").inc(restored)
+            return
+        for source, n in hit.sources.items():
+            self.restored_tokens.labels(self.model, source).inc(n)
+        self.restore_seconds.labels(self.model, hit.tier).observe(hit.seconds)
+        self.restore_bytes.labels(self.model, hit.tier).inc(hit.nbytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StoreCollector:
+    """The store's counters and sizes, read at each scrape (nothing while it is closed)."""
+
+    def __init__(self, store: PromptStore):
+        self.store = store
+
+    def describe(self):
+        return []  # the families depend on the store (a warm start, say): nothing to check at registration
+
+    def collect(self):
+        try:
+            m = self.store.metrics()
+        except PromptStoreError:
+            return  # closed, as the server stops
+        yield from _store_counters(m)
+        yield from _store_sizes(m)
+        if m.warm_start is not None:
+            yield from _warm_start(m)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _by_tier(name: str, doc: str, values: dict[str, float]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["tier"])
+    for tier, value in values.items():
+        family.add_metric([tier], value)
+    return family
+
+
+def _store_counters(m: StoreMetrics):
+    yield _by_tier(
+        "promptstore_evictions", "Nodes that left a tier over its budget (hot: memory, cold: disk)", m.evictions
+    )
+    yield _by_tier("promptstore_evicted_bytes", "Bytes of the nodes evicted, by tier", m.evicted_bytes)
+    yield _counter("promptstore_disk_files_written", "Node files written to disk (spills)", m.files_written)
+    yield _counter("promptstore_disk_written_bytes", "Bytes written to disk (what wears an SSD)", m.disk_written_bytes)
+    yield _counter("promptstore_remote_written", "Values published to the remote tier", m.remote_written)
+    yield _counter("promptstore_remote_written_bytes", "Bytes published to the remote tier", m.remote_written_bytes)
+    yield _counter(
+        "promptstore_quarantined_files", "Files that failed their checks, moved aside unserved", m.quarantined_files
+    )
+
+
+def _store_sizes(m: StoreMetrics):
+    for name, doc, value in (
+        ("promptstore_hot_nodes", "Nodes held in memory", m.hot_nodes),
+        ("promptstore_hot_bytes", "Bytes held in memory", m.hot_bytes),
+        ("promptstore_hot_budget_bytes", "The memory budget of each tenant (hot_bytes)", m.hot_budget_bytes),
+        ("promptstore_stored_nodes", "Nodes in the store (every process's)", m.stored_nodes),
+        ("promptstore_stored_bytes", "Bytes of the nodes in the store (every process's)", m.stored_bytes),
+        ("promptstore_disk_budget_bytes", "The disk budget of each tenant (disk_bytes)", m.disk_budget_bytes),
+    ):
+        yield GaugeMetricFamily(name, doc, value=value)
+
+
+def _warm_start(m: StoreMetrics):
+    w = m.warm_start
+    for name, doc, value in (
+        ("promptstore_warm_start_running", "1 while a warm start reads the store into memory", int(not w.done)),
+        ("promptstore_warm_start_nodes", "Nodes the warm start read into memory", w.nodes),
+        ("promptstore_warm_start_bytes", "Bytes the warm start read into memory", w.bytes),
+        ("promptstore_warm_start_planned_nodes", "Nodes the warm start plans to read", w.planned_nodes),
+        ("promptstore_warm_start_planned_bytes", "Bytes the warm start plans to read", w.planned_bytes),
+    ):
+        yield GaugeMetricFamily(name, doc, value=value)
+
+
+# --- who may read /metrics ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetricsAccess:
+    """/metrics is off (--no-metrics), open (no API keys), or the operator's alone:
+    with --metrics-key-file only that key reads it; with --api-keys and no such key
+    nobody does, so no tenant ever reads another's counts."""
+
+    enabled: bool
+    key: str | None
+    keyring: KeyRing
+
+    def refusal(self, authorization: str | None) -> tuple[int, str] | None:
+        """(status, message) when this Authorization header may not read /metrics."""
+        if not self.enabled:
+            return 404, "/metrics is off on this server (--no-metrics)"
+        if self.key is None:
+            if self.keyring.required:
+                return 403, "/metrics needs the operator's key on a server with --api-keys (--metrics-key-file)"
+            return None
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.key.encode()):
+            return None
+        if self.keyring.required and self.keyring.tenant(authorization) is not None:
+            return 403, "an API key may not read /metrics: send the operator's key (--metrics-key-file)"
+        return 401, "/metrics needs the operator's key: send 'Authorization: Bearer <key of --metrics-key-file>'"
+
+    def warn(self) -> None:
+        if self.enabled and self.key is None and self.keyring.required:
+            log.warning("/metrics answers 403: with --api-keys it needs --metrics-key-file (or --no-metrics)")
+
+
+def load_metrics_key(path: str | Path, keyring: KeyRing) -> str:
+    """The operator's key for /metrics: the file's one line; never a tenant's API key."""
+    try:
+        key = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ServeConfigError(
+            f"cannot read the metrics key file {path}: {getattr(e, 'strerror', None) or e}"
+        ) from None
+    if not key or any(c.isspace() for c in key):
+        raise ServeConfigError(f"the metrics key file {path} must hold one key (one word, no spaces)")
+    if keyring.required and keyring.tenant(f"Bearer {key}") is not None:
+        raise ServeConfigError(
+            f"the key in {path} is also a tenant's API key (--api-keys): give /metrics a key of its own"
+        )
+    return key
