@@ -7,7 +7,9 @@ import difflib
 import hashlib
 import logging
 import os
+import re
 from typing import Any, Literal
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -71,7 +73,9 @@ class Settings(BaseModel):
     map_size: int = Field(64 << 20, ge=1 << 16, description="initial LMDB map size; it grows when full")
     # The remote tier: a Redis or Valkey every replica shares (docs/remote.md).
     remote_url: str | None = Field(
-        None, description="redis://host:port/db (or rediss://, unix://) shared by every replica; None: no remote tier"
+        None,
+        description="redis://host:port/db (or rediss://, unix://) shared by every replica, or a Redis Cluster as "
+        "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS); None: no remote tier",
     )
     remote_secret: str | None = Field(
         None,
@@ -96,8 +100,12 @@ class Settings(BaseModel):
     @field_validator("remote_url")
     @classmethod
     def _redis_url(cls, url: str | None) -> str | None:
-        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"{url!r}: a redis://, rediss:// or unix:// URL")
+        if url is not None and url.startswith(CLUSTER_SCHEMES):
+            check_cluster_url(url)  # raises, naming what is wrong
+        elif url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"{_redacted(url)!r}: a redis://, rediss://, unix://, redis+cluster:// or rediss+cluster:// URL"
+            )
         return url or None
 
     def tenant_key(self) -> bytes | None:
@@ -125,6 +133,59 @@ class Settings(BaseModel):
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors())
             raise SettingsError(f"invalid settings: {problems}") from None
+
+
+# --- a Redis Cluster's URL -------------------------------------------------------------
+# Checked here; the remote tier splits it (snapshots/remote/cluster.py, with urlsplit too).
+
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+CLUSTER_TLS_OPTIONS = frozenset({"ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile"})
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?)$")
+
+
+def check_cluster_url(url: str) -> None:
+    """redis+cluster://[user:password@]host:port[,host:port...][/0], or rediss+cluster://
+    (TLS; it may add ?ssl_ca_certs=...&ssl_cert_reqs=...); ValueError names what is wrong."""
+    shown = _redacted(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:
+        raise ValueError(f"{shown!r}: {e}") from None
+    if parts.scheme not in ("redis+cluster", "rediss+cluster"):
+        raise ValueError(f"{shown!r}: a redis+cluster:// or rediss+cluster:// URL")
+    if parts.fragment:
+        raise ValueError(f"{shown!r}: a cluster URL takes no #fragment")
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError(f"{shown!r}: a cluster has database 0 only, not {parts.path[1:]!r}")
+    for node in parts.netloc.rpartition("@")[2].split(","):
+        _check_cluster_node(shown, node)
+    _check_tls_options(shown, parts.query, parts.scheme == "rediss+cluster")
+
+
+def _check_cluster_node(shown: str, node: str) -> None:
+    host, sep, port = node.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{shown!r}: {node!r} is not host:port (each node of the list needs both)")
+    if not _HOST.match(host):
+        raise ValueError(f"{shown!r}: {host!r} is not a host name or address ([...] around IPv6)")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{shown!r}: {port!r} is not a port (1 to 65535)")
+
+
+def _check_tls_options(shown: str, query: str, tls: bool) -> None:
+    try:
+        options = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise ValueError(f"{shown!r}: {query!r} is not a query string (name=value&...)") from None
+    for name, _ in options:
+        if not tls or name not in CLUSTER_TLS_OPTIONS:
+            allowed = ", ".join(sorted(CLUSTER_TLS_OPTIONS))
+            raise ValueError(f"{shown!r}: unknown option {name!r} (rediss+cluster:// takes {allowed})")
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for messages."""
+    return re.sub(r"(://[^/@?#]*?:)[^/@?#]*@", r"\1***@", url)
 
 
 def warn_unknown_variables(settings: type[Settings] = Settings) -> None:

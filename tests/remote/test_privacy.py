@@ -43,15 +43,23 @@ def _secrets_in_clear(tokens: np.ndarray, namespace: bytes, span_end: int) -> li
 
 
 def test_scan_shows_no_salt_token_span_or_namespace(tmp_path, redis_server, model_of):
+    client = redis_server.client()
+    check_scan_shows_nothing(
+        tmp_path, redis_server.url, lambda: [(k, client.get(k)) for k in client.scan_iter(count=1000)], model_of
+    )
+
+
+def check_scan_shows_nothing(tmp_path, url, stored, model_of):
+    """Two salts publish one prompt to the server at `url`; stored() -> every (key, value)
+    there: none names a salt, a token, a span or a namespace in clear."""
     model = model_of("llama")
     tokens = prompt_tokens(300, seed=22)
     namespaces = []
     for i, salt in enumerate(SALTS):
-        publish(tmp_path / f"a{i}", redis_server.url, model, tokens[:280], salt=salt, remote_secret=SECRET)
+        publish(tmp_path / f"a{i}", url, model, tokens[:280], salt=salt, remote_secret=SECRET)
         with promptstore.PromptStore.open(tmp_path / f"a{i}", remote_secret=SECRET) as a:
             namespaces.append(a.bind(model, model_id="m", salt=salt).namespace.key)
-    client = redis_server.client()
-    items = [(key, client.get(key)) for key in client.scan_iter(count=1000)]
+    items = stored()
     assert len(items) == 2 * 3  # per salt: one blob, a grid record at 256, the end record at 280
     keysets = [{k for k, _ in items if k.startswith(b"ps:b:")}]
     assert len(keysets[0]) == 2, "two namespaces never share a blob"

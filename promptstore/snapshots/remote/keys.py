@@ -87,6 +87,17 @@ class RemoteKeys:
         h.update(start.to_bytes(8, "little"))
         return h.digest()
 
+    def piece(self, blob_id: bytes, index: int) -> bytes:
+        """The id of piece `index` (>= 1) of a blob in pieces; piece 0 is at the blob's own id."""
+        h = self._hasher(b"piece")
+        h.update(blob_id)
+        h.update(index.to_bytes(4, "little"))
+        return h.digest()
+
+    def pieces(self, blob_id: bytes, count: int) -> list[str]:
+        """The keys of a blob's `count` values: its own key, then one per further piece."""
+        return [blob_key(blob_id)] + [blob_key(self.piece(blob_id, i)) for i in range(1, count)]
+
 
 def index_key(position_key: bytes) -> str:
     return INDEX_PREFIX + position_key.hex()

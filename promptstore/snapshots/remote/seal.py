@@ -4,7 +4,9 @@ Records and blobs are AES-256-GCM under a key of their namespace, with the
 Redis key they are stored at as associated data: a value moved to another key,
 from another namespace, truncated or flipped fails to open, before anything
 parses it. A record is the chain of blobs that tiles a prefix, validated again
-after it opens.
+after it opens. A blob larger than a piece is stored in pieces, each sealed to
+its key, its index and the count, and all carrying one random set id: a piece
+moved, reordered, dropped or taken from another publish fails, never joins.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from ...errors import RemoteError
 MAGIC = b"PSR1"
 NONCE = 12  # random per value: two replicas may seal different bytes under one key
 MAX_LINKS = 100_000
+MAX_PIECES = 65_536  # of one blob: 2 TiB at 32 MiB a piece
+SET_ID = 16  # random per publish of a blob in pieces: its pieces share it
 
 
 class Link(BaseModel):
@@ -32,6 +36,7 @@ class Link(BaseModel):
     blob: str = Field(pattern=r"^[0-9a-f]{32}$")
     nbytes: int = Field(ge=0)
     seconds: float = Field(ge=0)
+    pieces: int = Field(1, ge=1, le=MAX_PIECES)  # the blob's values (1: one value, as before pieces)
 
 
 class Chain(BaseModel):
@@ -70,8 +75,40 @@ def unseal(key: bytes, value: bytes | None, where: str) -> bytes:
         raise RemoteError(f"{where[:16]}…: fails authentication", "garbage") from None
 
 
+def seal_pieces(key: bytes, data: bytes, names: list[str]) -> list[bytes]:
+    """`data` cut into len(names) pieces of equal size (the last shorter), each sealed
+    to its name, its index and the count; one name: a single value, sealed as before."""
+    n = len(names)
+    if n == 1:
+        return [seal(key, data, names[0])]
+    size = -(-len(data) // n)
+    set_id = os.urandom(SET_ID)
+    return [seal(key, set_id + data[i * size : (i + 1) * size], _piece_where(names[i], i, n)) for i in range(n)]
+
+
+def unseal_pieces(key: bytes, values: list, names: list[str]) -> bytes:
+    """The blob joined from its pieces, or RemoteError: "missing" (a piece is gone),
+    "garbage" (one fails to open, or they come from different publishes)."""
+    gone = [name for name, value in zip(names, values) if value is None]
+    if gone:
+        raise RemoteError(f"{gone[0][:20]}…: gone (evicted or never written), {len(gone)} of {len(names)}", "missing")
+    if len(names) == 1:
+        return unseal(key, values[0], names[0])
+    parts = [
+        unseal(key, value, _piece_where(name, i, len(names))) for i, (name, value) in enumerate(zip(names, values))
+    ]
+    if any(len(part) < SET_ID or part[:SET_ID] != parts[0][:SET_ID] for part in parts):
+        raise RemoteError(f"{names[0][:20]}…: pieces of different publishes", "garbage")
+    return b"".join(part[SET_ID:] for part in parts)
+
+
+def _piece_where(name: str, index: int, count: int) -> str:
+    return f"{name}#{index}/{count}"
+
+
 def seal_chain(key: bytes, chain: Chain, where: str) -> bytes:
-    return seal(key, chain.model_dump_json().encode(), where)
+    # Defaults left out: a record of blobs in one value each reads as before pieces.
+    return seal(key, chain.model_dump_json(exclude_defaults=True).encode(), where)
 
 
 def unseal_chain(key: bytes, value: bytes | None, where: str) -> Chain:

@@ -1,11 +1,13 @@
-"""The remote tier: node files shared through one Redis (or Valkey) by many machines.
+"""The remote tier: node files shared through one Redis (or Valkey) server or cluster by many machines.
 
 A node's blob is its cold file, sealed; a chain record at each grid point and
 at the end of a published node lists the blobs that tile that prefix. A lookup
 costs two round trips whatever the prompt length (every grid key in one MGET,
 then the positions of one chunk), and the blobs a third. Anything the server
 does wrong (down, slow, restarted empty, evicting, answering garbage) is a
-reported miss after a bounded wait, never an exception to the caller.
+reported miss after a bounded wait, never an exception to the caller. A blob
+larger than `piece_bytes` is stored in pieces (seal.py); a Redis Cluster is
+spoken to through cluster.py.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, RedisClusterException
 from redis.retry import Retry
 
 from ...caches import Snapshot
@@ -31,8 +34,10 @@ from ...errors import ColdFileError, DiskWriteError, RemoteError
 from ...identity import NodeId
 from ..cold import NODE_KEY, ColdTier, NodeFileMeta
 from ..safetensors_header import read_header
+from .cluster import SCHEMES as CLUSTER_SCHEMES
+from .cluster import ClusterClient, ClusterURL
 from .keys import CHUNK, RemoteKeys, blob_key, index_key
-from .seal import Chain, Link, seal, seal_chain, unseal, unseal_chain
+from .seal import MAX_PIECES, Chain, Link, seal_chain, seal_pieces, unseal_chain, unseal_pieces
 
 log = logging.getLogger("promptstore.remote")
 
@@ -40,6 +45,7 @@ RETRY_SECONDS = 2.0  # after a connection failure, calls skip the server this lo
 QUEUE = 256  # publishes waiting; past this they are dropped (counted), never blocking an insert
 LEDGER = "remote.ledger"
 CHECK_BATCH = 1000  # keys per pipelined EXISTS when counting what is still on the server
+PIECE_BYTES = 32 << 20  # a blob over this is stored in pieces of about this size (a value per piece)
 
 # What the remote tier needs of the store: a node's identity, its path and file.
 Report = Callable[[str, bytes, str], None]
@@ -91,8 +97,11 @@ class _Publisher:
     thread: threading.Thread | None = None
 
 
-def connect(url: str, timeout: float) -> redis.Redis:
-    """A client that fails fast: one try per call, every socket wait bounded."""
+def connect(url: str, timeout: float) -> redis.Redis | ClusterClient:
+    """A client that fails fast: one try per call, every socket wait bounded; for a
+    redis+cluster:// URL, the cluster's shards behind the same calls."""
+    if url.startswith(CLUSTER_SCHEMES):
+        return ClusterClient(ClusterURL.parse(url), timeout)
     return redis.Redis.from_url(
         url,
         socket_timeout=timeout,
@@ -121,10 +130,13 @@ class RemoteTier:
         secret: str | None = None,
         timeout: float = 0.5,
         close_seconds: float = 10.0,
+        piece_bytes: int = PIECE_BYTES,
     ):
         self.client = connect(url, timeout)
+        self.cluster = isinstance(self.client, ClusterClient)
         self.cold, self.describe, self.report = cold, describe, report
         self.secret, self.close_seconds = secret, close_seconds
+        self.piece_bytes = piece_bytes  # publishers of one deployment should agree (readers follow the record)
         self.ledger = cold.root.parent / LEDGER
         self.counts: Counter = Counter()
         self._keys: dict[bytes, RemoteKeys] = {}
@@ -153,7 +165,7 @@ class RemoteTier:
             raise RemoteError(f"{what}: the server failed less than {RETRY_SECONDS} s ago", "down")
         try:
             return fn()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        except (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException, OSError) as e:
             self._down_until = time.monotonic() + RETRY_SECONDS
             raise RemoteError(f"{what}: {type(e).__name__}: {e}", "down") from None
         except redis.RedisError as e:  # OOM under noeviction, WRONGTYPE, ...
@@ -223,17 +235,17 @@ class RemoteTier:
         return self._call(what, lambda: self.client.mget(names))
 
     def _load(self, namespace: bytes, tokens, found: _Lookup, node_key) -> RemoteHit | None:
-        """Round trip 3: the chain's blobs; each opened, placed as a cold file and
-        verified by the cold loader. The hit ends before the first that fails."""
+        """Round trip 3: the chain's blobs (every piece of each); each opened, placed as
+        a cold file and verified by the cold loader. The hit ends before the first that fails."""
         keys, links = self.keys(namespace), found.chain.links
-        names = [blob_key(bytes.fromhex(link.blob)) for link in links]
-        values = self._call("fetch", lambda: self.client.mget(names))
+        names = [keys.pieces(bytes.fromhex(link.blob), link.pieces) for link in links]
+        flat = [name for pieces in names for name in pieces]
+        values = iter(self._call("fetch", lambda: self.client.mget(flat)))
         hit = RemoteHit(0, [], [], found.round_trips + 1)
-        for link, name, value in zip(links, names, values):
+        for link, pieces in zip(links, names):
+            value = [next(values) for _ in pieces]
             try:
-                if value is None:
-                    raise RemoteError(f"{name[:20]}…: gone (evicted or never written)", "missing")
-                plain = unseal(keys.seal, value, name)
+                plain = unseal_pieces(keys.seal, value, pieces)
                 whole = link.end <= found.position  # the tokens agree to the node's end
                 snaps = self._verified(namespace, link, plain, node_key(link.end) if whole else None)
             except RemoteError as e:
@@ -241,7 +253,7 @@ class RemoteTier:
                 break
             hit.links.append(link)
             hit.snapshots.append(snaps)
-            hit.nbytes += len(value)
+            hit.nbytes += sum(len(v) for v in value)
             hit.length = min(link.end, found.position)
         return hit if hit.links else None
 
@@ -317,16 +329,20 @@ class RemoteTier:
         for link in item.links:
             bid = keys.blob(keys.position(tokens, link.end, grid), link.start)
             ids.append(bid)
-            chain.append(Link(start=link.start, end=link.end, blob=bid.hex(), nbytes=link.nbytes, seconds=link.seconds))
-        missing = self._missing(ids)
+            span = {"start": link.start, "end": link.end, "nbytes": link.nbytes, "seconds": link.seconds}
+            chain.append(Link(blob=bid.hex(), pieces=self._piece_count(link.nbytes), **span))
+        names = [keys.pieces(bid, link.pieces) for bid, link in zip(ids, chain)]
+        missing = self._missing(ids, names)
         blobs = {i: self._file_bytes(item.links[i]) for i in missing}
         if any(data is None for data in blobs.values()):
             self.counts["remote_publish_incomplete"] += 1  # a node of the path is in no file here
             return 0
         pipe = self.client.pipeline(transaction=False)
         for i, data in blobs.items():
-            name = blob_key(ids[i])
-            pipe.set(name, seal(keys.seal, data, name))
+            for name, value in zip(names[i], seal_pieces(keys.seal, data, names[i])):
+                pipe.set(name, value)
+        if self.cluster and blobs:  # shards apply their parts side by side: blobs land before records name them
+            self._call("publish", pipe.execute)
         # Records after blobs: a record never names a blob the server has not been sent.
         # The node's own records are written even when its blob is there (they may be evicted).
         for i in sorted({*missing, len(ids) - 1}):
@@ -339,16 +355,21 @@ class RemoteTier:
         self._append_ledger([(ids[i], item.links[i]) for i in missing])
         return len(missing)
 
-    def _missing(self, ids: list[bytes]) -> list[int]:
-        """Indices of path blobs the server lacks (one pipelined round trip)."""
+    def _piece_count(self, nbytes: int) -> int:
+        """Values a node's blob is stored in: one up to piece_bytes, then one per piece_bytes."""
+        return min(MAX_PIECES, max(1, -(-nbytes // self.piece_bytes)))
+
+    def _missing(self, ids: list[bytes], names: list[list[str]]) -> list[int]:
+        """Indices of path blobs the server lacks, or lacks a piece of (one pipelined round trip)."""
         unknown = [i for i, bid in enumerate(ids) if bid not in self._sent]
         if not unknown:
             return []
         pipe = self.client.pipeline(transaction=False)
         for i in unknown:
-            pipe.exists(blob_key(ids[i]))
-        present = self._call("publish", pipe.execute)
-        return [i for i, there in zip(unknown, present) if not there]
+            for name in names[i]:
+                pipe.exists(name)
+        present = iter(self._call("publish", pipe.execute))
+        return [i for i in unknown if not all([next(present) for _ in names[i]])]
 
     def _file_bytes(self, link: LocalLink) -> bytes | None:
         if link.file is None:
@@ -422,7 +443,9 @@ def _claimed_key(path: Path) -> bytes:
 # --- what this store published (for stats and compact) ----------------------------------
 
 
-def ledger_summary(store_root: str | os.PathLike, client: redis.Redis | None, node_exists: Callable[[bytes], bool]):
+def ledger_summary(
+    store_root: str | os.PathLike, client: redis.Redis | ClusterClient | None, node_exists: Callable[[bytes], bool]
+):
     """What this store published to the remote tier, and how much of it is stale.
 
     published: blobs this store sent (and their bytes); on_server: still there;
@@ -441,7 +464,7 @@ def ledger_summary(store_root: str | os.PathLike, client: redis.Redis | None, no
     if client is not None and entries:
         try:
             there = _exists(client, list(entries))
-        except (redis.RedisError, OSError):
+        except (redis.RedisError, RedisClusterException, OSError):
             return out
         out["on_server"] = sum(there)
         out["evicted"] = len(there) - sum(there)
@@ -468,7 +491,7 @@ def read_ledger(path: Path) -> dict[str, dict]:
     return entries
 
 
-def prune_ledger(store_root: str | os.PathLike, client: redis.Redis) -> int:
+def prune_ledger(store_root: str | os.PathLike, client: redis.Redis | ClusterClient) -> int:
     """Drop ledger entries whose blob the server no longer has; returns how many."""
     path = Path(store_root) / LEDGER
     entries = read_ledger(path)
@@ -482,7 +505,7 @@ def prune_ledger(store_root: str | os.PathLike, client: redis.Redis) -> int:
     return len(entries) - len(keep)
 
 
-def _exists(client: redis.Redis, blob_ids: list[str]) -> list[bool]:
+def _exists(client: redis.Redis | ClusterClient, blob_ids: list[str]) -> list[bool]:
     out = []
     for i in range(0, len(blob_ids), CHECK_BATCH):
         pipe = client.pipeline(transaction=False)
