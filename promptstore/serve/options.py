@@ -127,10 +127,11 @@ def _add_options(group) -> None:
     )
     group.add_argument(
         "--read-gpu-libraries",
-        action="store_true",
-        help="after the warm-up, read the CUDA libraries' folders once (bounded to 30 s), so that after a "
-        "reboot the first requests do not fault kernels in from disk (13.9 GB and 8.7 s on an H100 host "
-        "whose page cache was dropped; docs/serve.md)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU, after the warm-up, read the shared libraries the server maps once (bounded to 30 s), so "
+        "that after a reboot the first requests do not fault kernels in from disk (default: on; 6.2 GB in 5.2 s "
+        "on an H100 host whose page cache was dropped, 0.3 s when it is warm; nothing on CPU; docs/serve.md)",
     )
     group.add_argument(
         "--shutdown-timeout",

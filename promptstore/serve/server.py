@@ -98,8 +98,9 @@ class StoreModelProvider(mlx_server.ModelProvider):
         self.cache.attach(self.model, self.tokenizer, self.draft_model, self.model_key, self.cli_args.prefill_step_size)
         if self.cli_args.kernel_warm_up and self.draft_model is None:
             self._warm_up()
-        if self.cli_args.read_gpu_libraries:
-            files, nbytes, seconds = read_libraries(runtime_libraries())
+        libraries = runtime_libraries() if self.cli_args.read_gpu_libraries else []
+        if libraries:
+            files, nbytes, seconds = read_libraries(libraries)
             log.info("GPU runtime libraries: %d files, %.2f GB read in %.2f s", files, nbytes / 1e9, seconds)
         self.ready = True
 

@@ -161,6 +161,34 @@ class Server:
             pass
         return 0
 
+    def storage_reads(self) -> dict[str, int]:
+        """What this process has read from storage so far (Linux): bytes through
+        read calls that reached the disk, and major page faults (pages of mapped
+        files, such as libraries, read from disk at first touch)."""
+        out = {}
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/io").read_text().splitlines():
+                if line.startswith("read_bytes:"):
+                    out["read_bytes"] = int(line.split()[1])
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out["major_faults"] = int(fields[9])  # majflt: field 12 of stat, the 10th after the name
+        except (OSError, IndexError, ValueError):
+            pass
+        return out
+
+    def health(self) -> dict | str:
+        """/health's answer now."""
+        try:
+            with httpx.Client(trust_env=False, timeout=5) as http:
+                r = http.get(f"http://127.0.0.1:{self.port}/health")
+            return r.json() if "json" in r.headers.get("content-type", "") else r.text[:200]
+        except (httpx.HTTPError, ValueError) as e:
+            return f"no answer: {e}"
+
+    def resident(self) -> dict[str, int]:
+        """Bytes in the page cache of each file this process maps (Linux)."""
+        return {path: resident_bytes(path) for path in mapped_files(self.proc.pid)}
+
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -339,7 +367,9 @@ def main() -> int:
             work / "psg.log",
         )
     if args.warm_up_process:
+        known = kernel_cache()
         warm_up_process(work, ps, env, args)
+        print(f"warm-up process: MLX compiled {len(kernel_cache() - known)} kernel modules", flush=True)
     system = text_of(args.system_tokens, 0)
     conversations = [
         [{"role": "system", "content": system + "\n\n" + text_of(args.context_tokens, 11 * (u + 1))}]
@@ -349,10 +379,26 @@ def main() -> int:
     walls: dict[str, dict[str, list[float]]] = {name: {} for name in contenders}
     written: dict[str, dict[str, int]] = {name: {} for name in contenders}
 
+    compiled: dict[str, list[str]] = {}  # kernels MLX compiled (not found in its disk cache), per phase
+    disk_reads: dict[str, dict] = {}  # what each server read from storage during the round after the restart
+
     def run_round(phase: str, turn: int, names: list[str]) -> None:
         order = names if turn % 2 == 0 else names[::-1]  # who goes first alternates
         for name in order:
+            known = kernel_cache()
+            before = servers[name].storage_reads()
+            pages = servers[name].resident() if phase == "resume" else {}
+            health = servers[name].health() if phase == "resume" else None
             wall = contenders[name].round(phase, turn, args.answer_tokens)
+            new = sorted(kernel_cache() - known)
+            compiled.setdefault(f"{phase} turn {turn}: {name}", new)
+            if phase == "resume":
+                after = servers[name].storage_reads()
+                disk_reads[name] = {k: after[k] - before.get(k, 0) for k in after}
+                grown = {f: n - pages.get(f, 0) for f, n in servers[name].resident().items()}
+                grown = sorted(((n, f) for f, n in grown.items() if n > 0), reverse=True)
+                disk_reads[name]["mapped_files_paged_in"] = {f: n for n, f in grown[:12]}
+                disk_reads[name]["health_when_the_round_began"] = health
             walls[name].setdefault(phase, []).append(wall)
             print(f"  {phase} turn {turn}: {name} {wall:.2f} s", flush=True)
 
@@ -398,12 +444,15 @@ def main() -> int:
         "workload": {**vars(args), "model": {**profile["model"], "vocab_size": VOCAB, "dtype": profile["dtype"]}},
         "note": profile["note"],
         "page_cache_dropped_at_restart": dropped,
+        "kernels_compiled": {k: v for k, v in compiled.items() if v},
+        "storage_reads_in_resume_round": disk_reads,
         "server_ld_preload": Path(env.get("LD_PRELOAD", "")).name,
         "results": report,
         "replies_equal": f"{same}/{len(base)}",
         "promptstore_store_bytes": store_bytes,
         "promptstore_timelines": timelines(work / "ps.log"),
         "promptstore_inserts": inserts(work / "ps.log"),
+        "promptstore_restart_log": startup_lines(work / "ps.log"),
         "requests": {name: c.results for name, c in contenders.items()},
         "goals": goals(report),
     }
@@ -438,6 +487,50 @@ def warm_up_process(work: Path, ps: list[str], env: dict, args) -> None:
     contender.round("warm-up", 2, args.answer_tokens)
     server.stop()
     print(f"warm-up process: {time.perf_counter() - started:.1f} s", flush=True)
+
+
+def mapped_files(pid: int) -> list[str]:
+    """The regular files a process maps (its libraries among them)."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return []
+    paths = {line.split(maxsplit=5)[5] for line in lines if len(line.split(maxsplit=5)) == 6}
+    return sorted(p for p in paths if p.startswith("/") and not p.startswith(("/dev/", "/proc/", "/sys/")))
+
+
+def resident_bytes(path: str) -> int:
+    """Bytes of a file in the page cache (mincore over a read-only mapping); 0
+    where it cannot be told."""
+    import ctypes
+    import mmap
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return 0
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+                libc = ctypes.CDLL(None, use_errno=True)
+                page = mmap.PAGESIZE
+                vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+                buf = (ctypes.c_char * size).from_buffer(m)
+                try:
+                    if libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec) != 0:
+                        return 0
+                finally:
+                    del buf
+                return sum(v & 1 for v in vec) * page
+    except (OSError, ValueError):
+        return 0
+
+
+def kernel_cache() -> set[str]:
+    """The kernel modules in MLX's on-disk cache (its CUDA backend compiles a
+    kernel at first use on a machine and keeps it there); empty elsewhere."""
+    folders = [Path(os.environ["MLX_PTX_CACHE_DIR"])] if os.environ.get("MLX_PTX_CACHE_DIR") else []
+    folders += Path(tempfile.gettempdir()).glob("mlx/*/ptx")
+    return {f.name for folder in folders if folder.is_dir() for f in folder.iterdir() if f.suffix == ".ptx"}
 
 
 def drop_page_cache() -> bool:
@@ -488,6 +581,16 @@ def timelines(log: Path) -> list[dict]:
 
 
 INSERT = re.compile(r"insert: (?P<held>\d+) tokens, (?P<new>\d+) new; (?P<phases>.*)$")
+
+
+STARTUP = re.compile(r"warm start|GPU runtime libraries|kernel warm-up|model identity|Starting httpd|store closed")
+
+
+def startup_lines(log: Path) -> list[str]:
+    """promptstore serve's log lines about starting and stopping, from its last stop on."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if STARTUP.search(line)]
+    stops = [i for i, line in enumerate(lines) if "store closed" in line]
+    return lines[stops[-2] if len(stops) > 1 else 0 :]
 
 
 def inserts(log: Path) -> list[dict]:
