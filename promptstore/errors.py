@@ -150,8 +150,10 @@ class ServeConfigError(PromptStoreError, ValueError):
 
 
 class ServeRequestError(PromptStoreError, ValueError):
-    """A request `promptstore serve` refuses; `status` is the HTTP status it answers with."""
+    """A request `promptstore serve` refuses; `status` is the HTTP status it answers
+    with, `param` the request field at fault when one is (APIs that report it)."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
         self.status = status
+        self.param = param

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..console import model_dir
 from ..errors import PromptStoreError, ServeRequestError
 from ..store import PromptStore
+from . import apis
 from .cache import StoreCache, split_segments
 from .metrics import HitFigures, MetricsAccess, ServeMetrics, load_metrics_key
 from .options import build_parser, store_settings
@@ -225,6 +226,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         timeline["fetched"] = time.perf_counter()
         hit = self.store_cache.last_hit
         timeline["restored"] = HitFigures.of(hit)  # for /metrics, when the request ends
+        timeline["matched"] = hit.matched if hit is not None else 0  # held by the store (apis' usage)
         if hit is not None and hit.length:
             timeline["from_disk"] = hit.cold_tokens
             timeline["plan"] = hit.plan.mode if hit.plan is not None else "memory"
@@ -336,15 +338,21 @@ def request_phases(timeline: dict, busy_between) -> dict[str, float]:
 
 
 class StoreHandler(mlx_server.APIHandler):
-    """mlx-lm's handler with API keys, the served model only, and prompt checks."""
+    """mlx-lm's handler with API keys, the served model only, and prompt checks;
+    the Messages and Responses APIs (apis/) beside its chat completions."""
 
     tenant: Tenant = PUBLIC
+    api: apis.Exchange | None = None  # the Messages or Responses API serving this request
 
     def do_POST(self):
+        self.api = apis.route(self)
         tenant = self._authorize()
         if tenant is not None:
             self.tenant = tenant
-            super().do_POST()
+            if self.api is not None:
+                self.api.serve()
+            else:
+                super().do_POST()
 
     def do_GET(self):
         if self.path.split("?")[0] == "/metrics":
@@ -377,10 +385,12 @@ class StoreHandler(mlx_server.APIHandler):
         self.wfile.flush()
 
     def _authorize(self) -> Tenant | None:
-        tenant = self.response_generator.keyring.tenant(self.headers.get("Authorization"))
+        key = self.headers.get("x-api-key")  # the Messages API's header
+        authorization = self.headers.get("Authorization") or (f"Bearer {key}" if key else None)
+        tenant = self.response_generator.keyring.tenant(authorization)
         if tenant is None:
             self._discard_body()
-            self._error(401, "missing or unknown API key: send 'Authorization: Bearer <key>'")
+            self._error(401, "missing or unknown API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
         return tenant
 
     def _discard_body(self, limit: int = 1 << 20) -> None:
@@ -394,6 +404,9 @@ class StoreHandler(mlx_server.APIHandler):
             self.rfile.read(n)
 
     def _error(self, status: int, message: str) -> None:
+        if self.api is not None:
+            self.api.error(status, message)  # in that API's shape
+            return
         self._set_completion_headers(status)
         self.end_headers()
         self.wfile.write(json.dumps({"error": message}).encode())
@@ -418,19 +431,25 @@ class StoreHandler(mlx_server.APIHandler):
         self.wfile.flush()
 
     def handle_completion(self, request, stop_words):
-        received = time.perf_counter()
-        provider = self.response_generator.model_provider
-        if not provider.served(self.requested_model, self.adapter, self.requested_draft_model):
-            self._error(404, f"model {self.requested_model!r} not served: this server serves {provider.public_id!r}")
-            return
         try:
-            rendered = self.response_generator.check_prompt(request, self.chat_template_kwargs)
+            request = self.admit(request)
         except ServeRequestError as e:
             self._error(e.status, str(e))
             return
-        timeline = {"received": received, "checked": time.perf_counter()}
-        request = StoreRequest(**vars(request), tenant=self.tenant, timeline=timeline, rendered=rendered)
         super().handle_completion(request, stop_words)
+
+    def admit(self, request) -> StoreRequest:
+        """The request as the generation thread takes it (for the served model, its
+        prompt rendered and checked, its tenant), or ServeRequestError before
+        anything is queued. The Messages and Responses APIs admit theirs here too."""
+        received = time.perf_counter()
+        provider = self.response_generator.model_provider
+        if not provider.served(self.requested_model, self.adapter, self.requested_draft_model):
+            message = f"model {self.requested_model!r} not served: this server serves {provider.public_id!r}"
+            raise ServeRequestError(message, status=404, param="model")
+        rendered = self.response_generator.check_prompt(request, self.chat_template_kwargs)
+        timeline = {"received": received, "checked": time.perf_counter()}
+        return StoreRequest(**vars(request), tenant=self.tenant, timeline=timeline, rendered=rendered)
 
 
 def run(args, cache: StoreCache, keyring: KeyRing) -> StoreResponseGenerator:
