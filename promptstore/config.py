@@ -9,7 +9,7 @@ import logging
 import os
 import re
 from typing import Any, Literal
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -136,7 +136,7 @@ class Settings(BaseModel):
 
 
 # --- a Redis Cluster's URL -------------------------------------------------------------
-# Checked here; the remote tier splits it (snapshots/remote/cluster.py, with urlsplit too).
+# Checked here; the remote tier splits it again (snapshots/remote/cluster.py, the same way).
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 CLUSTER_TLS_OPTIONS = frozenset({"ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile"})
@@ -148,7 +148,7 @@ def check_cluster_url(url: str) -> None:
     (TLS; it may add ?ssl_ca_certs=...&ssl_cert_reqs=...); ValueError names what is wrong."""
     shown = _redacted(url)
     try:
-        parts = urlsplit(url)
+        parts = split_hosts_url(url)
     except ValueError as e:
         raise ValueError(f"{shown!r}: {e}") from None
     if parts.scheme not in ("redis+cluster", "rediss+cluster"):
@@ -181,6 +181,16 @@ def _check_tls_options(shown: str, query: str, tls: bool) -> None:
         if not tls or name not in CLUSTER_TLS_OPTIONS:
             allowed = ", ".join(sorted(CLUSTER_TLS_OPTIONS))
             raise ValueError(f"{shown!r}: unknown option {name!r} (rediss+cluster:// takes {allowed})")
+
+
+def split_hosts_url(url: str) -> SplitResult:
+    """urlsplit of a URL whose netloc lists several hosts (host:port,[::1]:port,...),
+    which some Pythons' urlsplit refuses (text before a bracketed IPv6 host)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError("no scheme://")
+    cut = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    return urlsplit(f"{scheme}://host{rest[cut:]}")._replace(netloc=rest[:cut])
 
 
 def _redacted(url: str) -> str:

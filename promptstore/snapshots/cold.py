@@ -6,13 +6,16 @@ file is ever overwritten in place (a split node gets new files, and two
 processes spilling one node write two files, one of which the index names). It is written under a temporary name, fsynced, renamed and its
 directory fsynced before anyone may point at it. Loading checks the
 header, the node's identity and every array's xxh3-128 before a byte is used;
-a file that fails is moved to quarantine for `tools/compact`.
+a file that fails is moved to quarantine for `tools/compact`. A node file's
+bytes held in memory (a blob the remote tier fetched) pass the same checks
+(`load_bytes`), no file written.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import math
 import mmap
 import os
 import secrets
@@ -33,7 +36,7 @@ from ..caches.serialize import METADATA_KEY, READABLE_VERSIONS, parse_record
 from ..errors import CacheError, ColdFileError, DiskWriteError
 from ..identity import NodeId
 from . import device
-from .safetensors_header import read_header
+from .safetensors_header import header_of_bytes, read_header
 from .safetensors_writer import write_safetensors
 
 NODE_KEY = "promptstore.node"
@@ -253,15 +256,8 @@ class PendingLoad:
             return self._verified
 
     def _verify(self) -> list[Snapshot]:
-        rel, (start, end), meta = self.rel, self.span, self.meta
-        if set(meta.checksums) != set(self.header):
-            raise ColdFileError(f"{rel}: checksums do not name the file's arrays", "header", rel)
-        if xxhash.xxh3_128_hexdigest(self.metadata.get(METADATA_KEY, "").encode()) != meta.record:
-            raise ColdFileError(f"{rel}: the snapshot record fails its checksum", "checksum", rel)
-        try:
-            record = parse_record(self.metadata)
-        except CacheError as e:
-            raise ColdFileError(f"{rel}: {e}", "format", rel) from None
+        rel, meta = self.rel, self.meta
+        record = checked_record(rel, meta, self.header, self.metadata)
         try:
             # Each array hashed as soon as MLX has read it, then on its way to the GPU
             # (CUDA), before its first use; nothing reads it before the checks pass.
@@ -271,13 +267,80 @@ class PendingLoad:
         for name in self.arrays:
             if sums[name] != meta.checksums.get(name):
                 raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
-        try:
-            snapshots = from_flat(self.arrays, record)
-        except CacheError as e:
-            raise ColdFileError(f"{rel}: {e}", "format", rel) from None
-        if any(s is not None and (s.start, s.end) != (start, end) for s in snapshots):
-            raise ColdFileError(f"{rel}: snapshots do not span [{start}, {end})", "identity", rel)
-        return snapshots
+        return checked_snapshots(rel, self.arrays, record, self.span)
+
+
+def checked_record(rel: str, meta: NodeFileMeta, header: dict, metadata: dict):
+    """The snapshots record of a file whose node record names every array and
+    the record's checksum; else ColdFileError."""
+    if set(meta.checksums) != set(header):
+        raise ColdFileError(f"{rel}: checksums do not name the file's arrays", "header", rel)
+    if xxhash.xxh3_128_hexdigest(metadata.get(METADATA_KEY, "").encode()) != meta.record:
+        raise ColdFileError(f"{rel}: the snapshot record fails its checksum", "checksum", rel)
+    try:
+        return parse_record(metadata)
+    except CacheError as e:
+        raise ColdFileError(f"{rel}: {e}", "format", rel) from None
+
+
+def checked_snapshots(rel: str, arrays: dict[str, mx.array], record, span: tuple[int, int]) -> list[Snapshot]:
+    """The snapshots of verified arrays, if they are what the record says and span `span`."""
+    try:
+        snapshots = from_flat(arrays, record)
+    except CacheError as e:
+        raise ColdFileError(f"{rel}: {e}", "format", rel) from None
+    start, end = span
+    if any(s is not None and (s.start, s.end) != (start, end) for s in snapshots):
+        raise ColdFileError(f"{rel}: snapshots do not span [{start}, {end})", "identity", rel)
+    return snapshots
+
+
+# --- a node file's bytes held in memory (a blob the remote tier fetched) ------------------
+
+NUMPY_DTYPES = {
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "F16": np.float16,
+    "BF16": np.uint16,  # numpy has no bfloat16: the bits, viewed as such in MLX
+    "U32": np.uint32,
+    "I32": np.int32,
+    "F32": np.float32,
+    "U64": np.uint64,
+    "I64": np.int64,
+}
+
+
+def load_bytes(data: memoryview, node: NodeId, rel: str) -> list[Snapshot]:
+    """The verified snapshots of a node file's bytes held in memory, checked as
+    `ColdTier.load` checks a file (header, the node's identity, the record, every
+    array's xxh3-128 over its bytes) before any array is made from them; else
+    ColdFileError. rel: what errors call the bytes."""
+    try:
+        header, metadata, base = header_of_bytes(data)
+    except (ValueError, RecursionError) as e:
+        raise ColdFileError(f"{rel}: bad header: {e}", "header", rel) from None
+    meta = checked_identity(metadata, rel, node)
+    record = checked_record(rel, meta, header, metadata)
+    spans = {name: (base + info["data_offsets"][0], base + info["data_offsets"][1]) for name, info in header.items()}
+    for name, (lo, hi) in spans.items():
+        if xxhash.xxh3_128_hexdigest(data[lo:hi]) != meta.checksums[name]:
+            raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
+    arrays = {name: _array_of(data, spans[name][0], info) for name, info in header.items()}
+    mx.eval(list(arrays.values()))
+    device.prefetch(arrays.values())
+    return checked_snapshots(rel, arrays, record, (node.start, node.end))
+
+
+def _array_of(data: memoryview, offset: int, info: dict) -> mx.array:
+    """One tensor of checked bytes, copied into an MLX array."""
+    shape, dtype = info["shape"], info["dtype"]
+    flat = np.frombuffer(data, NUMPY_DTYPES[dtype], math.prod(shape), offset) if math.prod(shape) else None
+    host = flat.reshape(shape) if flat is not None else np.zeros(shape, NUMPY_DTYPES[dtype])
+    array = mx.array(host)
+    return array.view(mx.bfloat16) if dtype == "BF16" else array
 
 
 class ColdTier:
@@ -368,37 +431,6 @@ class ColdTier:
             raise DiskWriteError(f"could not write {rel}: {e.strerror or e}") from e
         digest = xxhash.xxh3_128_hexdigest(json.dumps(sums, sort_keys=True).encode())
         return FileRef(rel, size, digest)
-
-    def write_bytes(self, node: NodeId, data: bytes, durable: bool = True) -> str:
-        """Place the bytes of a node's file made elsewhere (the remote tier) under
-        this node's name, atomically; returns its relative path. Nothing in it is
-        trusted: `load` verifies it like any other file. durable=False: no fsync,
-        for a file read once and removed."""
-        rel = self.relative_path(node, secrets.token_hex(TAG_BYTES))
-        final = self.root / rel
-        temp = final.with_name(f"{final.stem}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
-        try:
-            self._mkdirs(final.parent)
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            if durable:
-                self._sync_file(temp)
-            os.replace(temp, final)
-            if durable:
-                self._sync_dir(final.parent)
-        except OSError as e:
-            self._discard(temp)
-            raise DiskWriteError(f"could not write {rel}: {e.strerror or e}") from e
-        return rel
-
-    def _sync_file(self, path: Path) -> None:
-        if self.fsync:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
     def _sync_dir(self, path: Path) -> None:
         if self.fsync:

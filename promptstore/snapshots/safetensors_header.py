@@ -39,13 +39,31 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
         if not stat.S_ISREG(info.st_mode):
             raise ValueError("not a regular file")
         size = info.st_size
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError("file shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_HEADER or 8 + length > size:
-            raise ValueError(f"header length {length} does not fit a file of {size} bytes")
+        length = header_length(f.read(8), size)
         raw = f.read(length)
+    return parse_header(raw, size - 8 - length)
+
+
+def header_of_bytes(data: memoryview) -> tuple[dict, dict, int]:
+    """read_header of a file's bytes held in memory, with the offset its tensor
+    data starts at."""
+    length = header_length(data[:8], data.nbytes)
+    header, metadata = parse_header(bytes(data[8 : 8 + length]), data.nbytes - 8 - length)
+    return header, metadata, 8 + length
+
+
+def header_length(head: bytes | memoryview, size: int) -> int:
+    """The header's length, from a file's first 8 bytes and its size."""
+    if len(head) != 8:
+        raise ValueError("file shorter than a safetensors header")
+    (length,) = struct.unpack("<Q", head)
+    if length > MAX_HEADER or 8 + length > size:
+        raise ValueError(f"header length {length} does not fit a file of {size} bytes")
+    return length
+
+
+def parse_header(raw: bytes, data_size: int) -> tuple[dict, dict]:
+    """The header's JSON, checked against the `data_size` bytes of tensor data after it."""
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -55,7 +73,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
     metadata = header.pop("__metadata__", {}) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ValueError("metadata must map strings to strings")
-    _check_layout(header, size - 8 - length)
+    _check_layout(header, data_size)
     return header, metadata
 
 

@@ -234,9 +234,9 @@ class Space:
         length, used, cold = (restored.length, restored.used, restored.cold) if restored else (0, 0, ())
         computed = restored.computed if restored else 0
         nbytes = sum(_nbytes(n) for n in path[:used])
-        remote = self._fetch_remote(toks, length)
+        remote = self._fetch_remote(toks, length, [n for n in match.path if n.end <= match.matched])
         if remote is not None:
-            (length, cache, nbytes), used, cold, computed = remote, 0, (), 0  # the remote hit replaces the local one
+            (length, cache, nbytes, remote_tokens), used, cold, computed = remote, 0, (), 0  # replaces the local hit
         cold_tokens = sum(min(n.end, length) - n.start for n in cold if n.start < length)
         if length:
             self._account(path[:used], hits=1, tokens_served=length, **self._saved_by_checkpoint(path[:used], length))
@@ -253,7 +253,7 @@ class Space:
             len([n for n in cold if n.start < length]),
             cold_tokens,
             time.perf_counter() - start,
-            remote_tokens=length if remote is not None else 0,
+            remote_tokens=remote_tokens if remote is not None else 0,
             matched=match.matched,
             computed=computed,
             plan=restored.choice if restored and remote is None else None,
@@ -343,39 +343,57 @@ class Space:
             target = path[-1].end if path else 0
         return None
 
-    def _fetch_remote(self, toks: np.ndarray, length: int):
+    def _fetch_remote(self, toks: np.ndarray, length: int, path: list[Node]):
         """A longer prefix than `length` from the remote tier: (its length, a cache
-        restored to it, the bytes fetched), also stored here (cold, and hot if it
-        fits); None if the server has none, is unreachable or answers something
-        that fails its checks."""
+        restored to it, the bytes fetched, the tokens of fetched nodes), also stored
+        here (hot, and cold as the durability says); None if the server has none, is
+        unreachable or answers something that fails its checks.
+
+        path: this prompt's nodes in the trie, matched to their end; a remote node
+        the same as one of them is read here, not fetched.
+        """
         remote = self.tiers.remote
         if remote is None or len(toks) - 1 - length < MIN_REMOTE_GAIN:
             return None
         ns = self.namespace.key
-        got = remote.fetch(ns, toks[:-1], length, lambda end: prefix_key(ns, toks[:end]))
-        path, snaps, target = (got.links, got.snapshots, got.length) if got else ([], [], 0)
-        while path:
-            end = min(target, path[-1].end)
-            chains = C.restore_chains(snaps, path[-1].end)
-            if chains is not None and end > max(length, path[-1].start):
+        spans = {(n.start, n.end): n for n in path}
+
+        def held(link):
+            node = spans.get((link.start, link.end))
+            return None if node is None else self.tiers.get(node)
+
+        got = remote.fetch(ns, toks[:-1], length, lambda end: prefix_key(ns, toks[:end]), held)
+        links, snaps, target = (got.links, got.snapshots, got.length) if got else ([], [], 0)
+        while links:
+            end = min(target, links[-1].end)
+            chains = C.restore_chains(snaps, links[-1].end)
+            if chains is not None and end > max(length, links[-1].start):
                 cache = self.new_cache()
-                if self.restored(cache, chains, end, None) and self._keep_remote(toks[:end], cache, path, length):
+                if self.restored(cache, chains, end, None) and self._keep_remote(toks[:end], cache, got, length):
                     self.tiers.counts["remote_tokens"] += end
-                    return end, cache, got.nbytes
-            path, snaps = path[:-1], snaps[:-1]
-            target = path[-1].end if path else 0
+                    fetched = sum(
+                        min(link.end, end) - link.start for link, f in zip(links, got.fetched) if f and link.start < end
+                    )
+                    return end, cache, got.nbytes, fetched
+            links, snaps = links[:-1], snaps[:-1]
+            target = links[-1].end if links else 0
         return None
 
-    def _keep_remote(self, toks: np.ndarray, cache, links, length: int) -> bool:
-        """Store a remote hit here; arrays that do not fit this model are a miss."""
+    def _keep_remote(self, toks: np.ndarray, cache, got, length: int) -> bool:
+        """Store a remote hit here, a node per link of the chain as its publisher cut
+        it, each holding the snapshots fetched for it (a node the prompt ends inside
+        is cut from `cache`); arrays that do not fit this model are a miss."""
         end = len(toks)
-        seconds = sum(
-            link.seconds * max(0, min(link.end, end) - max(link.start, length)) / (link.end - link.start)
-            for link in links
-        )
         try:
+            self._check_cache(cache)
+            self._check_arrays(cache)
             with self.tiers.from_remote():
-                self.insert(toks, cache, prefill_seconds=seconds)
+                for link, snaps in zip(got.links, got.snapshots):
+                    if link.end <= length or link.start >= end:
+                        continue  # held here already, or past the hit
+                    hi = min(link.end, end)
+                    seconds = link.seconds * (hi - max(link.start, length)) / (link.end - link.start)
+                    self._insert_node(toks[:hi], cache, seconds, end, snaps if hi == link.end else None)
         except CacheError as e:
             self.tiers.report("remote_layout", toks[:8].tobytes(), f"a remote hit does not fit this model: {e}")
             return False

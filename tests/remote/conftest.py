@@ -1,66 +1,36 @@
 """A real redis-server on a free loopback port, in a temporary directory, for the
-remote-tier tests; killed (and restartable) by the tests that fault it."""
+remote-tier tests; killed (and restartable) by the tests that fault it. The
+processes are started by promptstore.testing.redis_cluster (the soak uses it too)."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
-from pathlib import Path
-
 import pytest
-import redis
 
-REDIS = shutil.which("redis-server") or ("/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None)
-START_SECONDS = 10.0
+from promptstore.testing.redis_cluster import (
+    BUS_OFFSET,
+    CLUSTER_ARGS,
+    CLUSTER_SECONDS,
+    REDIS,
+    REDIS_CLI,
+    START_SECONDS,
+    Cluster,
+    RedisServer,
+    free_cluster_port,
+    free_port,
+)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """One redis-server process; `kill` and `start` again (empty: nothing is saved)."""
-
-    def __init__(self, directory: Path, *args: str):
-        self.dir, self.args = directory, args
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
-
-    def start(self) -> RedisServer:
-        cmd = [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir)]
-        cmd += ["--save", "", "--appendonly", "no", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + START_SECONDS
-        while time.monotonic() < deadline:
-            try:
-                if self.client().ping():
-                    return self
-            except redis.RedisError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.02)
-        self.kill()
-        raise RuntimeError(f"redis-server did not answer PING on port {self.port} within {START_SECONDS} s")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def restart_empty(self) -> None:
-        self.kill()
-        self.start()
+__all__ = [
+    "BUS_OFFSET",
+    "CLUSTER_ARGS",
+    "CLUSTER_SECONDS",
+    "REDIS",
+    "REDIS_CLI",
+    "START_SECONDS",
+    "Cluster",
+    "RedisServer",
+    "free_cluster_port",
+    "free_port",
+]
 
 
 @pytest.fixture
@@ -75,127 +45,6 @@ def redis_server(tmp_path_factory):
 
 
 # --- a real Redis Cluster: three primaries, a replica each ------------------------------
-
-REDIS_CLI = shutil.which("redis-cli") or ("/usr/bin/redis-cli" if Path("/usr/bin/redis-cli").exists() else None)
-CLUSTER_SECONDS = 20.0  # the longest a cluster may take to form, or to promote a replica
-BUS_OFFSET = 10000  # a node's cluster bus listens on its port + 10000
-# Replicas sync at once (by default a primary waits 5 s for more replicas to share a transfer).
-CLUSTER_ARGS = ("--cluster-enabled", "yes", "--cluster-node-timeout", "2000", "--repl-diskless-sync-delay", "0")
-
-
-def free_cluster_port(taken: set[int]) -> int:
-    """A free port whose cluster bus port is free too."""
-    for _ in range(200):
-        port = free_port()
-        if port in taken or port + BUS_OFFSET in taken or port + BUS_OFFSET > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + BUS_OFFSET))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair (port, port + 10000) on 127.0.0.1 after 200 tries")
-
-
-class Cluster:
-    """Six redis-server processes in cluster mode, formed by `redis-cli --cluster
-    create` into three primaries with one replica each; nothing is saved."""
-
-    def __init__(self, directory: Path, primaries: int = 3, replicas: int = 1):
-        self.dir = directory
-        self.servers: list[RedisServer] = []
-        taken: set[int] = set()
-        for _ in range(primaries * (1 + replicas)):
-            server = RedisServer(directory)
-            server.port = free_cluster_port(taken)
-            taken |= {server.port, server.port + BUS_OFFSET}
-            server.args = (*CLUSTER_ARGS, "--cluster-config-file", str(directory / f"nodes-{server.port}.conf"))
-            self.servers.append(server)
-        self.replicas = replicas
-
-    @property
-    def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
-
-    def start(self) -> Cluster:
-        try:
-            for server in self.servers:
-                server.start()
-            cmd = [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers)]
-            cmd += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=CLUSTER_SECONDS)
-            if out.returncode != 0:
-                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
-            self.wait_ok()
-            self.wait_replicated()
-        except BaseException:
-            self.kill()
-            raise
-        return self
-
-    def alive(self) -> list[RedisServer]:
-        return [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
-
-    def info(self, server: RedisServer, section: str) -> dict:
-        return server.client().info(section)
-
-    def wait_ok(self, seconds: float = CLUSTER_SECONDS) -> None:
-        """Until every live node says cluster_state:ok and every slot is served."""
-        self._wait(lambda: all(self._state_ok(s) for s in self.alive()), seconds, "cluster_state:ok on every node")
-
-    def wait_replicated(self, seconds: float = CLUSTER_SECONDS) -> None:
-        """Until every live replica's link to its primary is up."""
-
-        def linked(s: RedisServer) -> bool:
-            r = self.info(s, "replication")
-            return r["role"] == "master" or r.get("master_link_status") == "up"
-
-        self._wait(lambda: all(linked(s) for s in self.alive()), seconds, "every replica linked to its primary")
-
-    def _state_ok(self, server: RedisServer) -> bool:
-        text = server.client().execute_command("CLUSTER", "INFO")
-        text = text.decode() if isinstance(text, bytes) else text
-        fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
-        return fields.get("cluster_state") == "ok" and fields.get("cluster_slots_ok") == "16384"
-
-    @staticmethod
-    def _wait(done, seconds: float, what: str) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            try:
-                if done():
-                    return
-            except redis.RedisError:
-                pass  # a node still starting or just killed: ask again
-            time.sleep(0.05)
-        raise RuntimeError(f"no {what} within {seconds} s")
-
-    def primaries(self) -> list[RedisServer]:
-        return [s for s in self.alive() if self.info(s, "replication")["role"] == "master"]
-
-    def replica_of(self, primary: RedisServer) -> RedisServer:
-        for s in self.alive():
-            r = self.info(s, "replication")
-            if r["role"] == "slave" and int(r["master_port"]) == primary.port:
-                return s
-        raise LookupError(f"no replica follows 127.0.0.1:{primary.port}")
-
-    def items(self) -> list[tuple[bytes, bytes]]:
-        """Every key and its value, from every primary."""
-        out = []
-        for s in self.primaries():
-            client = s.client()
-            out += [(key, client.get(key)) for key in client.scan_iter(count=1000)]
-        return out
-
-    def flushall(self) -> None:
-        for s in self.primaries():
-            s.client().flushall()
-
-    def kill(self) -> None:
-        for server in self.servers:
-            server.kill()
 
 
 def _cluster(tmp_path_factory):

@@ -5,10 +5,11 @@ the caller sees a miss (reported), never an exception or a wrong state."""
 import signal
 import time
 
+import mlx.core as mx
 import pytest
 
 import promptstore
-from promptstore.snapshots.remote import RemoteTier
+from promptstore.snapshots.remote import CHUNK, RemoteTier
 from promptstore.snapshots.remote.keys import BLOB_PREFIX, INDEX_PREFIX
 
 from ..conftest import forward, prompt_tokens
@@ -170,3 +171,27 @@ def test_values_of_the_wrong_type_are_a_miss(tmp_path, redis_server, model_of):
     with promptstore.PromptStore.open(tmp_path / "b", remote_url=redis_server.url) as b:
         hit = b.bind(model, model_id="m").fetch(tokens)
         assert hit.length == 0 and b.tiers.reports
+
+
+def test_blobs_a_publisher_sent_are_sent_again_once_the_server_lost_them(tmp_path, redis_server, model_of):
+    """A failover, an eviction or a restart may lose what a process published; its
+    next publish under the same prefix must not name the lost blobs: it sends them
+    again, and a reader hits the whole prompt."""
+    model = model_of("llama")
+    system = prompt_tokens(2 * CHUNK, seed=21)
+    tails = [prompt_tokens(CHUNK + 40, seed=22 + i) for i in range(3)]
+    prompts = [mx.concatenate([system, tail]) for tail in tails]
+    with promptstore.PromptStore.open(tmp_path / "a", remote_url=redis_server.url) as a:
+        space = a.bind(model, model_id="m")
+        for n, tokens in enumerate(prompts):
+            if n == 2:
+                redis_server.client().flushall()  # the server lost everything it held
+            cache = space.new_cache()
+            forward(model, cache, tokens)
+            space.insert(tokens, cache)
+            a.flush()  # spills, then the publishes they queue
+            assert a.tiers.remote.flush(HANG_GUARD)
+    with promptstore.PromptStore.open(tmp_path / "b", remote_url=redis_server.url) as b:
+        hit = b.bind(model, model_id="m").fetch(mx.concatenate([prompts[2], prompt_tokens(8, seed=30)]))
+        assert hit.length == len(prompts[2]) and hit.remote_tokens == hit.length
+        assert_faithful(model, hit, mx.concatenate([prompts[2], prompt_tokens(8, seed=30)]))

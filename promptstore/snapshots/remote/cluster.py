@@ -8,6 +8,7 @@ and the next call asks the cluster again which shard serves which slot.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -15,10 +16,21 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster, get_connection
 from redis.crc import key_slot
-from redis.exceptions import AskError, MovedError, RedisClusterException
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    ReadOnlyError,
+    RedisClusterException,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 REDIRECTS = 1  # MOVED or ASK (a failover or a reshard moved the slot) is followed once, then is an error
+# Error replies that say the table of slot owners may be old: a MOVED or ASK not followed,
+# CLUSTERDOWN, TRYAGAIN (a slot mid-move), a write sent to a replica. A refusal (OOM under
+# noeviction, WRONGTYPE) says nothing of it, and must not cost every next call a re-read.
+STALE_REPLIES = (AskError, ClusterDownError, TryAgainError, ReadOnlyError)  # MovedError is an AskError
 SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 
@@ -36,7 +48,10 @@ class ClusterURL:
     def parse(cls, url: str) -> ClusterURL:
         """redis+cluster://[user:password@]host:port[,host:port...][/0] (rediss+cluster://: TLS),
         as Settings checked it; ValueError where it cannot be split."""
-        parts = urlsplit(url)
+        scheme, _, rest = url.partition("://")
+        cut = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+        # urlsplit of the rest alone: some Pythons refuse text before a bracketed host in a netloc
+        parts = urlsplit(f"{scheme}://host{rest[cut:]}")._replace(netloc=rest[:cut])
         if parts.scheme not in ("redis+cluster", "rediss+cluster"):
             raise ValueError(f"{parts.scheme}://: not a redis+cluster:// or rediss+cluster:// URL")
         userinfo, _, hosts = parts.netloc.rpartition("@")
@@ -114,15 +129,19 @@ class ClusterClient:
 
     # --- one round trip to every shard --------------------------------------------------
 
-    def run(self, commands: list[tuple]) -> list:
+    def run(self, commands: list[tuple], each: Callable[[int, object], None] | None = None) -> list:
         """Replies to commands (name, key, ...) whose keys all hash to one slot, in
-        order; the first error reply is raised, as a redis-py pipeline does."""
+        order; the first error reply is raised, as a redis-py pipeline does.
+
+        each: called with (index, reply) as each reply other than an error is read,
+        while the others are still arriving (a shard's in order, shard after shard).
+        """
         cluster = self.topology()
         replies: list = [None] * len(commands)
         try:
             todo = {i: (self._owner(cluster, command[1]), False) for i, command in enumerate(commands)}
             for attempt in range(1 + REDIRECTS):
-                self._send(cluster, commands, todo, replies)
+                self._send(cluster, commands, todo, replies, each)
                 todo = self._redirected(cluster, replies) if attempt < REDIRECTS else {}
                 if not todo:
                     break
@@ -131,7 +150,7 @@ class ClusterClient:
             raise redis.ConnectionError(f"cluster: {e}") from None
         for reply in replies:
             if isinstance(reply, Exception):
-                self._stale = True  # CLUSTERDOWN, TRYAGAIN, a second MOVED: the table may be old
+                self._stale = self._stale or isinstance(reply, STALE_REPLIES)
                 raise reply
         return replies
 
@@ -139,9 +158,10 @@ class ClusterClient:
     def _owner(cluster: RedisCluster, key) -> ClusterNode:
         return cluster.nodes_manager.get_node_from_slot(key_slot(key.encode() if isinstance(key, str) else key))
 
-    def _send(self, cluster: RedisCluster, commands: list[tuple], todo: dict, replies: list) -> None:
+    def _send(self, cluster: RedisCluster, commands: list[tuple], todo: dict, replies: list, each=None) -> None:
         """Write each shard's commands, then read the replies (error replies kept as
-        values); a connection failure closes every connection used and raises."""
+        values, others also handed to `each`); a connection failure closes every
+        connection used and raises."""
         shards: dict[str, tuple[ClusterNode, list]] = {}
         for i, (node, asking) in todo.items():
             shards.setdefault(node.name, (node, []))[1].append((i, asking))
@@ -158,6 +178,8 @@ class ClusterClient:
                     if asking:
                         _reply(client, connection, "ASKING")
                     replies[i] = _reply(client, connection, commands[i][0])
+                    if each is not None and not isinstance(replies[i], Exception):
+                        each(i, replies[i])
         except BaseException:
             self._stale = True
             for _, connection, _ in opened:

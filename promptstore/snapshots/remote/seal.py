@@ -6,7 +6,8 @@ from another namespace, truncated or flipped fails to open, before anything
 parses it. A record is the chain of blobs that tiles a prefix, validated again
 after it opens. A blob larger than a piece is stored in pieces, each sealed to
 its key, its index and the count, and all carrying one random set id: a piece
-moved, reordered, dropped or taken from another publish fails, never joins.
+moved, reordered, dropped or taken from another publish fails, never joins. A
+reader opens each piece into its place in the blob as it arrives (Assembly).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -23,8 +25,9 @@ from ...errors import RemoteError
 MAGIC = b"PSR1"
 NONCE = 12  # random per value: two replicas may seal different bytes under one key
 MAX_LINKS = 100_000
-MAX_PIECES = 65_536  # of one blob: 2 TiB at 32 MiB a piece
+MAX_PIECES = 65_536  # of one blob: 512 GiB at 8 MiB a piece
 SET_ID = 16  # random per publish of a blob in pieces: its pieces share it
+TAG = 16  # AES-GCM's authentication tag, after the ciphertext
 
 
 class Link(BaseModel):
@@ -86,20 +89,101 @@ def seal_pieces(key: bytes, data: bytes, names: list[str]) -> list[bytes]:
     return [seal(key, set_id + data[i * size : (i + 1) * size], _piece_where(names[i], i, n)) for i in range(n)]
 
 
-def unseal_pieces(key: bytes, values: list, names: list[str]) -> bytes:
-    """The blob joined from its pieces, or RemoteError: "missing" (a piece is gone),
-    "garbage" (one fails to open, or they come from different publishes)."""
-    gone = [name for name, value in zip(names, values) if value is None]
-    if gone:
-        raise RemoteError(f"{gone[0][:20]}…: gone (evicted or never written), {len(gone)} of {len(names)}", "missing")
-    if len(names) == 1:
-        return unseal(key, values[0], names[0])
-    parts = [
-        unseal(key, value, _piece_where(name, i, len(names))) for i, (name, value) in enumerate(zip(names, values))
-    ]
-    if any(len(part) < SET_ID or part[:SET_ID] != parts[0][:SET_ID] for part in parts):
-        raise RemoteError(f"{names[0][:20]}…: pieces of different publishes", "garbage")
-    return b"".join(part[SET_ID:] for part in parts)
+class Assembly:
+    """One blob's plaintext, its values opened into one buffer as they arrive, in
+    any order, each straight into its place (no joining copy). The blob is read
+    (`data`) only once every piece has opened, from one publish.
+
+    `add` runs for one blob at a time (the buffer's seams are shared): on one thread.
+    limit: the most bytes the blob may have (what its record says, and room for a
+        header): values that would make it longer are garbage, before any is opened.
+    """
+
+    def __init__(self, key: bytes, names: list[str], limit: int):
+        self.aead, self.names, self.limit = AESGCM(key), names, limit
+        self.count = len(names)
+        self.lead = SET_ID if self.count > 1 else 0  # a piece's plaintext opens with the set id
+        self.size: int | None = None  # plaintext bytes of each piece but the last (set id left out)
+        self.buffer: np.ndarray | None = None
+        self.waiting: dict[int, bytes] = {}  # the last piece, until another says how long the others are
+        self.set_ids: dict[int, bytes] = {}
+        self.last = 0  # bytes of the last piece
+        self.nbytes = 0  # sealed bytes received
+        self.error: RemoteError | None = None
+
+    def add(self, index: int, value) -> None:
+        """Open one piece into place; a piece gone or bad is kept as the blob's error."""
+        if self.error is not None:
+            return
+        try:
+            self._add(index, value)
+        except RemoteError as e:
+            self.error = e
+            self.buffer = None
+
+    def _add(self, index: int, value) -> None:
+        where = _piece_where(self.names[index], index, self.count) if self.count > 1 else self.names[0]
+        if value is None:
+            raise RemoteError(f"{self.names[index][:20]}…: gone (evicted or never written)", "missing")
+        length = _plaintext_bytes(value, where) - self.lead
+        self.nbytes += len(value)
+        if length < 0:
+            raise RemoteError(f"{where[:16]}…: shorter than a piece's set id", "garbage")
+        last = index == self.count - 1
+        if not last and self.size is not None and length != self.size:
+            raise RemoteError(f"{where[:16]}…: {length} bytes, its siblings {self.size}", "garbage")
+        if last:
+            self.last = length
+        if self.size is None:
+            if last and self.count > 1:
+                self.waiting[index] = value
+                return
+            if self.count * length > self.limit + self.count:
+                raise RemoteError(f"{where[:16]}…: pieces longer than the blob's record allows", "garbage")
+            self.size = length
+            # Room for every piece at the size of the first (the last is no longer), after a lead
+            # that the first piece's set id opens into.
+            self.buffer = np.empty(self.lead + self.count * length, np.uint8)
+            for i, v in self.waiting.items():
+                self._open(i, v, _piece_where(self.names[i], i, self.count))
+            self.waiting.clear()
+        self._open(index, value, where)
+
+    def _open(self, index: int, value: bytes, where: str) -> None:
+        size, lead = self.size, self.lead
+        length = _plaintext_bytes(value, where) - lead
+        if length > size:
+            raise RemoteError(f"{where[:16]}…: the last piece is longer than the others", "garbage")
+        view = memoryview(self.buffer)
+        at = index * size  # the piece's set id lands on the end of the piece before: kept aside
+        kept = bytes(view[at : at + lead])
+        try:
+            nonce = value[len(MAGIC) : len(MAGIC) + NONCE]
+            self.aead.decrypt_into(
+                nonce, memoryview(value)[len(MAGIC) + NONCE :], where.encode(), view[at : at + lead + length]
+            )
+        except InvalidTag:
+            raise RemoteError(f"{where[:16]}…: fails authentication", "garbage") from None
+        if lead:
+            self.set_ids[index] = bytes(view[at : at + lead])
+            view[at : at + lead] = kept
+
+    def data(self) -> memoryview:
+        """The blob's bytes; RemoteError when a piece was gone or bad, or the pieces
+        come from different publishes."""
+        if self.error is not None:
+            raise self.error
+        if self.buffer is None or len(self.set_ids) + (self.lead == 0) < self.count:
+            raise RemoteError(f"{self.names[0][:20]}…: not every piece arrived", "missing")
+        if len(set(self.set_ids.values())) > 1:
+            raise RemoteError(f"{self.names[0][:20]}…: pieces of different publishes", "garbage")
+        return memoryview(self.buffer)[self.lead : self.lead + (self.count - 1) * self.size + self.last]
+
+
+def _plaintext_bytes(value, where: str) -> int:
+    if not isinstance(value, bytes) or len(value) < len(MAGIC) + NONCE + TAG or not value.startswith(MAGIC):
+        raise RemoteError(f"{where[:16]}…: not a sealed value", "garbage")
+    return len(value) - len(MAGIC) - NONCE - TAG
 
 
 def _piece_where(name: str, index: int, count: int) -> str:

@@ -3,9 +3,11 @@
 A node's blob is its cold file, sealed; a chain record at each grid point and
 at the end of a published node lists the blobs that tile that prefix. A lookup
 costs two round trips whatever the prompt length (every grid key in one MGET,
-then the positions of one chunk), and the blobs a third. Anything the server
-does wrong (down, slow, restarted empty, evicting, answering garbage) is a
-reported miss after a bounded wait, never an exception to the caller. A blob
+then the positions of one chunk), and the blobs a third: only those of nodes
+the local tiers lack, every piece asked for at once and opened, checked and
+made into arrays in memory as it arrives (no file is staged). Anything the
+server does wrong (down, slow, restarted empty, evicting, answering garbage) is
+a reported miss after a bounded wait, never an exception to the caller. A blob
 larger than `piece_bytes` is stored in pieces (seal.py); a Redis Cluster is
 spoken to through cluster.py.
 """
@@ -20,6 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,15 +32,15 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ClusterDownError, RedisClusterException
 from redis.retry import Retry
 
-from ...caches import Snapshot
-from ...errors import ColdFileError, DiskWriteError, RemoteError
+from ...caches import Snapshot, present_layers
+from ...errors import ColdFileError, RemoteError
 from ...identity import NodeId
-from ..cold import NODE_KEY, ColdTier, NodeFileMeta
-from ..safetensors_header import read_header
+from ..cold import NODE_KEY, ColdTier, NodeFileMeta, load_bytes
+from ..safetensors_header import MAX_HEADER, header_of_bytes
 from .cluster import SCHEMES as CLUSTER_SCHEMES
 from .cluster import ClusterClient, ClusterURL
 from .keys import CHUNK, RemoteKeys, blob_key, index_key
-from .seal import MAX_PIECES, Chain, Link, seal_chain, seal_pieces, unseal_chain, unseal_pieces
+from .seal import MAX_PIECES, Assembly, Chain, Link, seal_chain, seal_pieces, unseal_chain
 
 log = logging.getLogger("promptstore.remote")
 
@@ -45,10 +48,14 @@ RETRY_SECONDS = 2.0  # after a connection failure, calls skip the server this lo
 QUEUE = 256  # publishes waiting; past this they are dropped (counted), never blocking an insert
 LEDGER = "remote.ledger"
 CHECK_BATCH = 1000  # keys per pipelined EXISTS when counting what is still on the server
-PIECE_BYTES = 32 << 20  # a blob over this is stored in pieces of about this size (a value per piece)
+BLOB_SLACK = 8 + MAX_HEADER  # a blob's bytes past its record's count, at most: a safetensors header
+PIECE_BYTES = 8 << 20  # a blob over this is stored in pieces of about this size (a value per piece):
+# small enough that a reader opens one while the next arrives, and a node spreads over a cluster's shards
 
 # What the remote tier needs of the store: a node's identity, its path and file.
 Report = Callable[[str, bytes, str], None]
+# A link of a fetched chain -> the snapshots of its node when the local tiers hold it.
+Held = Callable[[Link], list[Snapshot] | None]
 
 
 @dataclass(frozen=True)
@@ -74,13 +81,18 @@ class PublishItem:
 
 @dataclass
 class RemoteHit:
-    """Verified snapshots of the links that tile [0, length) (the last may reach past it)."""
+    """Verified snapshots of the links that tile [0, length) (the last may reach past it).
+
+    fetched: per link, whether its blob came from the server (else the local tiers held it).
+    nbytes: sealed bytes fetched.
+    """
 
     length: int
     links: list[Link]
     snapshots: list[list[Snapshot]]
     round_trips: int = 0
     nbytes: int = 0
+    fetched: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -114,7 +126,7 @@ def connect(url: str, timeout: float) -> redis.Redis | ClusterClient:
 class RemoteTier:
     """This process's view of the shared server, for every namespace of one store.
 
-    cold: where fetched blobs are placed to be verified by the cold tier's loader.
+    cold: the store's cold tier (what it published is read from its files).
     describe: node key -> PublishItem (or None when the node is gone), run on the
         publishing thread.
     report: (reason, key, detail) for misses an operator should see.
@@ -140,14 +152,15 @@ class RemoteTier:
         self.ledger = cold.root.parent / LEDGER
         self.counts: Counter = Counter()
         self._keys: dict[bytes, RemoteKeys] = {}
-        self._sent: set[bytes] = set()  # blob ids this process has put on the server
         self._down_until = 0.0
         self.last_round_trips = 0  # of the last hit: lookup (1-2) plus blobs (1)
+        self.last_fetch = (0, 0.0)  # of the last hit: sealed bytes fetched, seconds to fetch and verify them
         self._lock = threading.Lock()
         self._queued: set[bytes] = set()
         self._pub = _Publisher()
         self._pub.thread = threading.Thread(target=self._run, name="promptstore-remote", daemon=True)
         self._pub.thread.start()
+        self._opening: tuple[int, ThreadPoolExecutor] | None = None
 
     def keys(self, namespace: bytes) -> RemoteKeys:
         if namespace not in self._keys:
@@ -178,12 +191,19 @@ class RemoteTier:
     # --- lookup and fetch -------------------------------------------------------------
 
     def fetch(
-        self, namespace: bytes, tokens: np.ndarray, beyond: int, node_key: Callable[[int], bytes]
+        self,
+        namespace: bytes,
+        tokens: np.ndarray,
+        beyond: int,
+        node_key: Callable[[int], bytes],
+        held: Held | None = None,
     ) -> RemoteHit | None:
         """The deepest prefix of `tokens` longer than `beyond` that the server holds,
         as verified snapshots, or None (a miss, reported when something failed).
 
         node_key: end -> the local key of the node tokens[:end] (what its file must name).
+        held: a link -> its node's snapshots when the local tiers hold that node
+            (same span, same tokens); its blob is then not fetched.
         """
         self.counts["remote_lookups"] += 1
         try:
@@ -191,7 +211,7 @@ class RemoteTier:
             if found is None:
                 self.counts["remote_misses"] += 1
                 return None
-            hit = self._load(namespace, tokens, found, node_key)
+            hit = self._load(namespace, tokens, found, node_key, held)
         except RemoteError as e:
             self._miss(e)
             self.counts["remote_misses"] += 1
@@ -234,46 +254,117 @@ class RemoteTier:
     def _mget(self, what: str, names: list[str]) -> list:
         return self._call(what, lambda: self.client.mget(names))
 
-    def _load(self, namespace: bytes, tokens, found: _Lookup, node_key) -> RemoteHit | None:
-        """Round trip 3: the chain's blobs (every piece of each); each opened, placed as
-        a cold file and verified by the cold loader. The hit ends before the first that fails."""
+    def _load(self, namespace: bytes, tokens, found: _Lookup, node_key, held: Held | None = None) -> RemoteHit | None:
+        """Round trip 3: the blobs of the chain's links the local tiers do not hold,
+        every piece asked for at once; each opened into place as it arrives, then
+        verified in memory as the cold loader verifies a file. The hit ends before
+        the first link that fails."""
         keys, links = self.keys(namespace), found.chain.links
-        names = [keys.pieces(bytes.fromhex(link.blob), link.pieces) for link in links]
-        flat = [name for pieces in names for name in pieces]
-        values = iter(self._call("fetch", lambda: self.client.mget(flat)))
-        hit = RemoteHit(0, [], [], found.round_trips + 1)
-        for link, pieces in zip(links, names):
-            value = [next(values) for _ in pieces]
-            try:
-                plain = unseal_pieces(keys.seal, value, pieces)
+        local = self._held(links, found.position, held)
+        names = {
+            i: keys.pieces(bytes.fromhex(link.blob), link.pieces) for i, link in enumerate(links) if i not in local
+        }
+        started = time.perf_counter()
+        blobs = self._open_pieces(keys.seal, links, names) if names else {}
+        hit = RemoteHit(0, [], [], found.round_trips + bool(names))
+        for i, link in enumerate(links):
+            snaps = local.get(i)
+            if snaps is None:
                 whole = link.end <= found.position  # the tokens agree to the node's end
-                snaps = self._verified(namespace, link, plain, node_key(link.end) if whole else None)
-            except RemoteError as e:
-                self._miss(e, bytes.fromhex(link.blob))
-                break
+                try:
+                    snaps = self._verified(namespace, link, blobs[i].data(), node_key(link.end) if whole else None)
+                except RemoteError as e:
+                    self._miss(e, bytes.fromhex(link.blob))
+                    break
+                hit.nbytes += blobs[i].nbytes
             hit.links.append(link)
             hit.snapshots.append(snaps)
-            hit.nbytes += sum(len(v) for v in value)
+            hit.fetched.append(i not in local)
             hit.length = min(link.end, found.position)
+        self.last_fetch = (hit.nbytes, time.perf_counter() - started)
         return hit if hit.links else None
 
-    def _verified(self, namespace: bytes, link: Link, data: bytes, key: bytes | None) -> list[Snapshot]:
-        """The blob's snapshots, checked by the cold loader as a file of node `key`
-        spanning the link (key None: the node the file names, for a node the
-        prompt leaves inside, whose end this prompt cannot name)."""
+    def _held(self, links: list[Link], position: int, held: Held | None) -> dict[int, list[Snapshot]]:
+        """Snapshots the local tiers hold of the chain's nodes, by link index: of nodes
+        the prompt covers to their end, the chain's last only if it holds every layer
+        (a restore ends there)."""
+        if held is None:
+            return {}
+        out = {}
+        for i, link in enumerate(links):
+            if link.end > position:
+                break
+            snaps = held(link)
+            if snaps is not None and (i < len(links) - 1 or all(present_layers(snaps))):
+                out[i] = snaps
+        self.counts["remote_links_local"] += len(out)
+        return out
+
+    def _open_pieces(self, seal_key: bytes, links: list[Link], names: dict[int, list[str]]) -> dict[int, Assembly]:
+        """Every piece of the blobs `names` (link index -> its pieces' keys), asked
+        for in one round trip; each opened on the opening thread as soon as it is
+        read, while the next ones arrive."""
+        blobs = {i: Assembly(seal_key, pieces, links[i].nbytes + BLOB_SLACK) for i, pieces in names.items()}
+        order = [(i, j) for i, pieces in names.items() for j in range(len(pieces))]
+        opening = []
+
+        def arrived(k: int, value) -> None:
+            i, j = order[k]
+            opening.append(self._opener().submit(blobs[i].add, j, value))
+
         try:
-            # Read once and removed: no fsync. (A crash leaves an orphan compact reclaims.)
-            rel = self.cold.write_bytes(NodeId(key or bytes(16), namespace, link.start, link.end), data, durable=False)
-        except DiskWriteError as e:
-            raise RemoteError(f"cannot place a fetched blob: {e}", "disk") from None
+            self._call("fetch", lambda: self._stream([names[i][j] for i, j in order], arrived))
+        finally:
+            for done in opening:
+                done.result()  # `add` keeps a bad piece as its blob's error; never raises
+        self.counts["remote_fetched_values"] += len(order)
+        self.counts["remote_fetched_bytes"] += sum(blob.nbytes for blob in blobs.values())
+        return blobs
+
+    def _opener(self) -> ThreadPoolExecutor:
+        """The thread that opens fetched pieces while the calling thread reads the
+        next ones off the socket (this process's: a forked child makes its own)."""
+        with self._lock:
+            if self._opening is None or self._opening[0] != os.getpid():
+                self._opening = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="promptstore-remote-open"))
+            return self._opening[1]
+
+    def _stream(self, names: list[str], each: Callable[[int, object], None]) -> None:
+        """GET every name in one round trip, calling each(index, value) as each value
+        is read (None where absent); the first error reply is raised after the last."""
+        commands = [("GET", name) for name in names]
+        if self.cluster:
+            self.client.run(commands, each)
+            return
+        pool = self.client.connection_pool
+        connection = pool.get_connection()
+        error, clean = None, False
+        try:
+            connection.send_packed_command(connection.pack_commands(commands))
+            for k in range(len(names)):
+                try:
+                    each(k, connection.read_response())
+                except redis.ResponseError as e:  # an error reply: the connection is still in step
+                    error = error or e
+            clean = True
+        finally:
+            if not clean:
+                connection.disconnect()  # replies may be left unread: never reuse it
+            pool.release(connection)
+        if error is not None:
+            raise error
+
+    def _verified(self, namespace: bytes, link: Link, data: memoryview, key: bytes | None) -> list[Snapshot]:
+        """The blob's snapshots, verified as the cold loader verifies a file of node
+        `key` spanning the link (key None: the node the blob names, for a node the
+        prompt leaves inside, whose end this prompt cannot name)."""
+        where = f"blob {link.blob[:12]}"
         try:
             if key is None:
-                key = _claimed_key(self.cold.absolute(rel))
-            return self.cold.load(rel, NodeId(key, namespace, link.start, link.end))
+                key = _claimed_key(data, where)
+            return load_bytes(data, NodeId(key, namespace, link.start, link.end), where)
         except ColdFileError as e:
-            raise RemoteError(f"blob {link.blob[:12]}: {e}", "garbage") from None
-        finally:
-            self.cold.delete(rel)
+            raise RemoteError(str(e), "garbage") from None
 
     # --- publishing -------------------------------------------------------------------
 
@@ -350,7 +441,6 @@ class RemoteTier:
                 name = index_key(keys.position(tokens, p, grid))
                 pipe.set(name, seal_chain(keys.seal, Chain(links=chain[: i + 1]), name))
         self._call("publish", pipe.execute)
-        self._sent.update(ids[i] for i in missing)
         self.counts["remote_published_bytes"] += sum(len(d) for d in blobs.values())
         self._append_ledger([(ids[i], item.links[i]) for i in missing])
         return len(missing)
@@ -360,16 +450,16 @@ class RemoteTier:
         return min(MAX_PIECES, max(1, -(-nbytes // self.piece_bytes)))
 
     def _missing(self, ids: list[bytes], names: list[list[str]]) -> list[int]:
-        """Indices of path blobs the server lacks, or lacks a piece of (one pipelined round trip)."""
-        unknown = [i for i, bid in enumerate(ids) if bid not in self._sent]
-        if not unknown:
-            return []
+        """Indices of path blobs the server lacks, or lacks a piece of (one pipelined
+        round trip). Every link is asked each time, those this process sent too: a
+        failover, an eviction or a restart may have lost them since, and a record
+        must never name what is gone."""
         pipe = self.client.pipeline(transaction=False)
-        for i in unknown:
-            for name in names[i]:
+        for pieces in names:
+            for name in pieces:
                 pipe.exists(name)
         present = iter(self._call("publish", pipe.execute))
-        return [i for i in unknown if not all([next(present) for _ in names[i]])]
+        return [i for i, pieces in enumerate(names) if not all([next(present) for _ in pieces])]
 
     def _file_bytes(self, link: LocalLink) -> bytes | None:
         if link.file is None:
@@ -423,6 +513,8 @@ class RemoteTier:
             self._pub.queue.put_nowait(None)
         except queue.Full:
             pass  # the thread is a daemon and skips the rest once stop is set
+        if self._opening is not None:
+            self._opening[1].shutdown(wait=True)  # what it has left is bounded work on bytes in memory
         self.client.close()
 
 
@@ -432,12 +524,12 @@ def _record_positions(link: LocalLink) -> list[int]:
     return sorted({*range(first, link.end + 1, CHUNK), link.end})
 
 
-def _claimed_key(path: Path) -> bytes:
+def _claimed_key(data: memoryview, where: str) -> bytes:
     try:
-        meta = NodeFileMeta.model_validate_json(read_header(path)[1].get(NODE_KEY, ""))
+        meta = NodeFileMeta.model_validate_json(header_of_bytes(data)[1].get(NODE_KEY, ""))
         return bytes.fromhex(meta.key)
-    except (OSError, ValueError) as e:
-        raise RemoteError(f"blob without a node record: {e}", "garbage") from None
+    except ValueError as e:
+        raise RemoteError(f"{where}: without a node record: {e}", "garbage") from None
 
 
 # --- what this store published (for stats and compact) ----------------------------------
