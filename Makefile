@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 
-.PHONY: setup demo test test-slow cold-stress lint format bench bench-anchors soak soak-quick openblas redis clean
+.PHONY: setup demo test test-slow cold-stress lint format bench bench-anchors soak soak-quick openblas redis redis-cluster clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -85,6 +85,11 @@ redis:
 	  (DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null) || \
 	  echo "redis-server could not be installed: the remote-tier tests will skip"
+
+# A Redis Cluster (3 primaries, 3 replicas) on free loopback ports, for trying the
+# shared tier by hand: prints its remote_url; Ctrl-C tears it down.
+redis-cluster: setup redis
+	$(BIN)/python -m promptstore.testing.redis_cluster
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -223,3 +223,46 @@ class Cluster:
     def kill(self) -> None:
         for server in self.servers:
             server.kill()
+
+
+# --- `make redis-cluster`: one to use by hand ------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start a cluster of three primaries and three replicas on free loopback
+    ports, print its remote_url, and tear it down on Ctrl-C or SIGTERM."""
+    import argparse
+    import signal
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog="python -m promptstore.testing.redis_cluster", description=main.__doc__)
+    parser.add_argument("--seconds", type=float, default=None, help="tear it down after this long (default: never)")
+    args = parser.parse_args(argv)
+    reason = missing()
+    if reason is not None:
+        print(f"no cluster: {reason}")
+        return 2
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    with tempfile.TemporaryDirectory(prefix="redis-cluster-") as directory:
+        try:
+            cluster = Cluster(Path(directory)).start()
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            print(f"no cluster: {e}")
+            return 2
+        try:
+            print(f"a Redis Cluster of 3 primaries and 3 replicas: remote_url={cluster.url}", flush=True)
+            print("Ctrl-C (or SIGTERM) stops it and removes its files", flush=True)
+            deadline = None if args.seconds is None else time.monotonic() + args.seconds
+            while not stop and (deadline is None or time.monotonic() < deadline):
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            cluster.kill()
+    print("cluster stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,7 +19,7 @@ from promptstore.snapshots.remote.tier import connect
 from promptstore.testing.models import FAMILIES
 
 from ..conftest import forward, fresh_cache, prompt_tokens
-from .conftest import CLUSTER_SECONDS, free_cluster_port
+from .conftest import CLUSTER_SECONDS
 from .helpers import assert_faithful, publish
 from .test_pieces import publish_in_pieces
 from .test_privacy import check_scan_shows_nothing
@@ -114,24 +114,6 @@ def test_the_password_of_a_malformed_url_is_not_repeated(tmp_path):
     with pytest.raises(SettingsError) as e:
         promptstore.PromptStore.open(tmp_path / "s", remote_url="redis+cluster://user:hunter2@host:port")
     assert "hunter2" not in str(e.value) and "***" in str(e.value)
-
-
-def test_no_cluster_at_all_is_a_bounded_miss(tmp_path, model_of):
-    """Nodes nobody listens on: the store opens, inserts and serves locally, and
-    every remote call is a reported miss after a bounded wait."""
-    model = model_of("llama")
-    tokens = prompt_tokens(300, seed=8)
-    taken: set[int] = set()
-    url = "redis+cluster://" + ",".join(f"127.0.0.1:{free_cluster_port(taken)}" for _ in range(3))
-    counts = publish(tmp_path / "a", url, model, tokens[:280], remote_timeout=0.2)
-    assert counts["remote_publish_failed"] == 1
-    with promptstore.PromptStore.open(tmp_path / "a", remote_url=url, remote_timeout=0.2) as a:
-        hit = a.bind(model, model_id="m").fetch(tokens)
-        assert hit.length == 280
-        assert_faithful(model, hit, tokens)
-    with promptstore.PromptStore.open(tmp_path / "b", remote_url=url, remote_timeout=0.2) as b:
-        assert b.bind(model, model_id="m").fetch(tokens).length == 0
-        assert "remote_down" in {r.reason for r in b.tiers.reports}
 
 
 def test_paused_primaries_cost_a_bounded_wait(tmp_path, own_redis_cluster, model_of):

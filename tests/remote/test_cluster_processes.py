@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
+import redis
 
 import promptstore
 from promptstore.snapshots.remote import CHUNK
@@ -25,6 +27,8 @@ PROCESS_SECONDS = 120.0  # a stuck child fails the test instead of hanging it
 CHILD = """
 import json, sys
 import mlx.core as mx
+import pytest
+import redis
 import promptstore
 from promptstore.testing.models import tiny_model
 
@@ -74,3 +78,23 @@ def test_two_processes_share_prefixes_across_the_shards(tmp_path, redis_cluster,
 
     shards = [node for node in redis_cluster.primaries() if node.client().dbsize() > 0]
     assert len(shards) > 1, "every key of both stores landed on one shard"
+
+
+def test_the_cluster_of_make_redis_cluster_starts_answers_and_goes(tmp_path):
+    from promptstore.testing.redis_cluster import missing
+
+    if missing() is not None:
+        pytest.skip(missing())
+    run = subprocess.run(
+        [sys.executable, "-m", "promptstore.testing.redis_cluster", "--seconds", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_SECONDS,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    url = run.stdout.split("remote_url=")[1].split()[0]
+    assert url.startswith("redis+cluster://127.0.0.1:") and len(url.split(",")) == 6
+    assert run.stdout.strip().endswith("cluster stopped")
+    port = int(url.split(",")[0].rsplit(":", 1)[1])
+    with pytest.raises(redis.ConnectionError):  # torn down: nothing answers there any more
+        redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1).ping()

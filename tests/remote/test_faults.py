@@ -13,7 +13,7 @@ from promptstore.snapshots.remote import CHUNK, RemoteTier
 from promptstore.snapshots.remote.keys import BLOB_PREFIX, INDEX_PREFIX
 
 from ..conftest import forward, prompt_tokens
-from .conftest import RedisServer
+from .conftest import RedisServer, free_cluster_port
 from .helpers import assert_faithful, publish
 
 HANG_GUARD = 30.0  # seconds: only a missing timeout takes this long (the waits here are ~0.2 s)
@@ -104,16 +104,28 @@ def test_a_paused_server_costs_a_bounded_wait(tmp_path, redis_server, model_of):
         redis_server.proc.send_signal(signal.SIGCONT)
 
 
-def test_no_server_at_all(tmp_path, model_of):
+@pytest.mark.parametrize("kind", ["server", "cluster"])
+def test_no_server_at_all(tmp_path, model_of, kind):
+    """Ports nobody listens on (one server, or every node of a cluster): the store
+    opens, inserts and serves locally; every remote call is a reported miss after
+    a bounded wait."""
     model = model_of("llama")
     tokens = prompt_tokens(300, seed=8)
-    url = f"redis://127.0.0.1:{RedisServer(tmp_path).port}/0"  # a free port nobody listens on
+    if kind == "server":
+        url = f"redis://127.0.0.1:{RedisServer(tmp_path).port}/0"
+    else:
+        taken: set[int] = set()
+        url = "redis+cluster://" + ",".join(f"127.0.0.1:{free_cluster_port(taken)}" for _ in range(3))
     counts = publish(tmp_path / "a", url, model, tokens[:280], remote_timeout=0.2)
     assert counts["remote_publish_failed"] == 1
     with promptstore.PromptStore.open(tmp_path / "a", remote_url=url, remote_timeout=0.2) as a:
         hit = a.bind(model, model_id="m").fetch(tokens)
         assert hit.length == 280
         assert_faithful(model, hit, tokens)
+    with promptstore.PromptStore.open(tmp_path / "b", remote_url=url, remote_timeout=0.2) as b:
+        started = time.monotonic()
+        assert b.bind(model, model_id="m").fetch(tokens).length == 0
+        assert "remote_down" in _reasons(b) and time.monotonic() - started < HANG_GUARD
 
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "noeviction"])
