@@ -148,7 +148,7 @@ def check_cluster_url(url: str) -> None:
     (TLS; it may add ?ssl_ca_certs=...&ssl_cert_reqs=...); ValueError names what is wrong."""
     shown = _redacted(url)
     try:
-        parts = split_hosts_url(url)
+        parts = _split_hosts_url(url)
     except ValueError as e:
         raise ValueError(f"{shown!r}: {e}") from None
     if parts.scheme not in ("redis+cluster", "rediss+cluster"):
@@ -183,7 +183,7 @@ def _check_tls_options(shown: str, query: str, tls: bool) -> None:
             raise ValueError(f"{shown!r}: unknown option {name!r} (rediss+cluster:// takes {allowed})")
 
 
-def split_hosts_url(url: str) -> SplitResult:
+def _split_hosts_url(url: str) -> SplitResult:
     """urlsplit of a URL whose netloc lists several hosts (host:port,[::1]:port,...),
     which some Pythons' urlsplit refuses (text before a bracketed IPv6 host)."""
     scheme, sep, rest = url.partition("://")

@@ -78,3 +78,15 @@ def sampling(body: dict, names: dict[str, tuple]) -> dict[str, float]:
             continue
         out[name] = integer(value, name, low) if high is None else number(value, name, low, high)
     return out
+
+
+def function_tool(tool: dict, where: str, schema: str, *, schema_required: bool) -> dict:
+    """A chat completion's function tool from a tool's `name`, `description` and
+    parameter schema (the field `schema`: input_schema or parameters)."""
+    function = {"name": text(required(tool, "name", f"{where}.name"), f"{where}.name")}
+    if tool.get("description") is not None:
+        function["description"] = text(tool["description"], f"{where}.description")
+    value = required(tool, schema, f"{where}.{schema}") if schema_required else tool.get(schema)
+    if value is not None:
+        function["parameters"] = obj(value, f"{where}.{schema}")
+    return {"type": "function", "function": function}

@@ -126,12 +126,7 @@ def _tools(value, conversation: Conversation) -> list[dict] | None:
                 f"{where}.type {tool['type']!r} is not supported: this server runs client tools (no type, or 'custom')",
                 param=f"{where}.type",
             )
-        function = {"name": fields.text(fields.required(tool, "name", f"{where}.name"), f"{where}.name")}
-        if tool.get("description") is not None:
-            function["description"] = fields.text(tool["description"], f"{where}.description")
-        schema = fields.required(tool, "input_schema", f"{where}.input_schema")
-        function["parameters"] = fields.obj(schema, f"{where}.input_schema")
-        out.append({"type": "function", "function": function})
+        out.append(fields.function_tool(tool, where, "input_schema", schema_required=True))
         if _marked(tool, where):
             conversation.mark()
     return out or None

@@ -173,12 +173,7 @@ def _tools(value) -> list[dict] | None:
         fields.obj(tool, where)
         if tool.get("type") != "function":
             raise fields.bad(f"{where}.type", "'function' (this server runs function tools)", tool.get("type"))
-        function = {"name": fields.text(fields.required(tool, "name", f"{where}.name"), f"{where}.name")}
-        if tool.get("description") is not None:
-            function["description"] = fields.text(tool["description"], f"{where}.description")
-        if tool.get("parameters") is not None:
-            function["parameters"] = fields.obj(tool["parameters"], f"{where}.parameters")
-        out.append({"type": "function", "function": function})
+        out.append(fields.function_tool(tool, where, "parameters", schema_required=False))
     return out or None
 
 

@@ -423,7 +423,7 @@ class RemoteTier:
             span = {"start": link.start, "end": link.end, "nbytes": link.nbytes, "seconds": link.seconds}
             chain.append(Link(blob=bid.hex(), pieces=self._piece_count(link.nbytes), **span))
         names = [keys.pieces(bid, link.pieces) for bid, link in zip(ids, chain)]
-        missing = self._missing(ids, names)
+        missing = self._missing(names)
         blobs = {i: self._file_bytes(item.links[i]) for i in missing}
         if any(data is None for data in blobs.values()):
             self.counts["remote_publish_incomplete"] += 1  # a node of the path is in no file here
@@ -449,7 +449,7 @@ class RemoteTier:
         """Values a node's blob is stored in: one up to piece_bytes, then one per piece_bytes."""
         return min(MAX_PIECES, max(1, -(-nbytes // self.piece_bytes)))
 
-    def _missing(self, ids: list[bytes], names: list[list[str]]) -> list[int]:
+    def _missing(self, names: list[list[str]]) -> list[int]:
         """Indices of path blobs the server lacks, or lacks a piece of (one pipelined
         round trip). Every link is asked each time, those this process sent too: a
         failover, an eviction or a restart may have lost them since, and a record
