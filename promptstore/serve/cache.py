@@ -273,7 +273,9 @@ class StoreCache:
             return space.insert(tokens, cache), {"render": t1 - t0, "store": time.perf_counter() - t1}
         position = min(common, len(tokens))
         if position < len(tokens) and not C.restore_prompt_cache(cache, None, position):
-            hit = space.fetch(rendered)  # window or recurrent layers cannot rewind: restart from the store
+            # Window or recurrent layers cannot rewind: restart from the store (the
+            # store's own fetch, not a request's hit).
+            hit = space.fetch(rendered, count=False)
             cache, position = hit.cache, hit.length
         prefill(self.model, cache, rendered, position, len(rendered), self.prefill_step)
         t2 = time.perf_counter()

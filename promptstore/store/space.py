@@ -205,7 +205,7 @@ class Space:
 
     # --- fetch ------------------------------------------------------------------------
 
-    def fetch(self, tokens, checkpoints: Sequence[int] = ()) -> Hit:
+    def fetch(self, tokens, checkpoints: Sequence[int] = (), *, count: bool = True) -> Hit:
         """The longest stored, restorable prefix of `tokens` (always leaving one token).
 
         checkpoints: positions the caller knows later prompts will share (the end
@@ -215,16 +215,17 @@ class Space:
             models are also asked for a checkpoint at every prefill step
             (`checkpoint_interval`, by default `prefill_step`), so a prompt that
             diverges anywhere restores at most one step before it.
+        count: False for a fetch the store makes for itself (to extend what it
+            holds): left out of hits, misses, metrics and `last_hit`; the access
+            order of the nodes it reads is still kept.
         """
         start = time.perf_counter()
         toks = self._tokens(tokens)
         wanted = self._wanted(checkpoints, len(toks))
         cache = self.new_cache()
         if len(toks) < 2:
-            self._account([], misses=1)
-            self.last_hit = Hit(0, cache, self._grid(0, len(toks)), seconds=time.perf_counter() - start)
-            self.tiers.meter.fetched(self.model_label, len(toks), self.last_hit)
-            return self.last_hit
+            hit = Hit(0, cache, self._grid(0, len(toks)), seconds=time.perf_counter() - start)
+            return self._counted(hit, len(toks), [], misses=1) if count else hit
         match = self.index.lookup(self.namespace, toks[:-1])
         for key in match.corrupt:
             self.tiers.report("record", key, "the index record failed its checksum; treated as missing")
@@ -238,10 +239,6 @@ class Space:
         if remote is not None:
             (length, cache, nbytes, remote_tokens), used, cold, computed = remote, 0, (), 0  # replaces the local hit
         cold_tokens = sum(min(n.end, length) - n.start for n in cold if n.start < length)
-        if length:
-            self._account(path[:used], hits=1, tokens_served=length, **self._saved_by_checkpoint(path[:used], length))
-        else:
-            self._account([], misses=1)
         points = set(match.checkpoints + wanted) | set(self._grid(length, len(toks) - 1))
         if length < match.matched and self._restores_at_points:
             points.add(match.matched)  # a branch point this prompt can make restorable
@@ -259,8 +256,19 @@ class Space:
             plan=restored.choice if restored and remote is None else None,
             nbytes=nbytes if length else 0,
         )
+        if not count:
+            self._account(path[:used])
+            return hit
+        if not length:
+            return self._counted(hit, len(toks), [], misses=1)
+        saved = self._saved_by_checkpoint(path[:used], length)
+        return self._counted(hit, len(toks), path[:used], hits=1, tokens_served=length, **saved)
+
+    def _counted(self, hit: Hit, prompt_tokens: int, nodes, **counts) -> Hit:
+        """`hit` as this namespace's last, counted in its stats and the store's metrics."""
+        self._account(nodes, **counts)
         self.last_hit = hit
-        self.tiers.meter.fetched(self.model_label, len(toks), hit)
+        self.tiers.meter.fetched(self.model_label, prompt_tokens, hit)
         return hit
 
     def _tokens(self, tokens):

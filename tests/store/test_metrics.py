@@ -27,6 +27,25 @@ def node_file(store, space, tokens):
     return node, store.tiers.file_of(node)
 
 
+def test_the_stores_own_fetch_is_not_counted(tmp_path):
+    """fetch(count=False), which the server makes to extend what it holds: the
+    same hit, left out of the metrics, the namespace's counters and last_hit."""
+    model = _model("llama")
+    longer = mx.concatenate([A, prompt_tokens(5, seed=304)])
+    with PromptStore.open(tmp_path, durability="sync") as store:
+        space = store.bind(model, model_id="m")
+        stored(space, model, A)
+        counted = space.fetch(longer)
+        before = store.metrics().models["m"]
+        own = space.fetch(longer, count=False)
+        assert own.length == counted.length == len(A) and space.last_hit is counted
+        assert store.metrics().models["m"] == before
+        assert space.fetch(A[:1], count=False).length == 0 and store.metrics().models["m"] == before
+        space.flush_stats()
+        counts = store.index.counters(space.namespace)
+        assert (counts["hits"], counts["misses"]) == (1, 0)
+
+
 def test_a_miss_a_hot_hit_a_restart_and_a_cold_hit_are_counted_by_tier(tmp_path):
     model = _model("llama")
     longer = mx.concatenate([A, prompt_tokens(5, seed=303)])
