@@ -3,22 +3,28 @@ its hash slot, so a namespace's blobs spread over every shard. Commands go to
 all the shards they need in one round trip (written to every shard before any
 reply is read), with one try, as the single-server client: a failure raises,
 and the next call asks the cluster again which shard serves which slot.
+
+Replies to a fetch's GETs, from a shard or from one server, are read off the
+socket straight into buffers the caller hands out (`read_values`): no parser's
+buffer and no bytes object per value between the kernel and the decryption.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
+from redis._parsers import BaseParser
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster, get_connection
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
     ClusterDownError,
+    InvalidResponse,
     MovedError,
     ReadOnlyError,
     RedisClusterException,
@@ -32,6 +38,11 @@ REDIRECTS = 1  # MOVED or ASK (a failover or a reshard moved the slot) is follow
 # noeviction, WRONGTYPE) says nothing of it, and must not cost every next call a re-read.
 STALE_REPLIES = (AskError, ClusterDownError, TryAgainError, ReadOnlyError)  # MovedError is an AskError
 SCHEMES = ("redis+cluster://", "rediss+cluster://")
+LINE = 64 << 10  # the most bytes read ahead for a reply's first line (the rest of a value is read into place)
+
+# (reply index, value length) -> the writable buffer of exactly that length the value is read into,
+# or None when the caller takes no value that long.
+Into = Callable[[int, int], memoryview | None]
 
 
 @dataclass(frozen=True)
@@ -129,19 +140,23 @@ class ClusterClient:
 
     # --- one round trip to every shard --------------------------------------------------
 
-    def run(self, commands: list[tuple], each: Callable[[int, object], None] | None = None) -> list:
+    def run(
+        self, commands: list[tuple], each: Callable[[int, object], None] | None = None, into: Into | None = None
+    ) -> list:
         """Replies to commands (name, key, ...) whose keys all hash to one slot, in
         order; the first error reply is raised, as a redis-py pipeline does.
 
         each: called with (index, reply) as each reply other than an error is read,
         while the others are still arriving (a shard's in order, shard after shard).
+        into: when every command is a GET, where each value is read (read_values);
+        the replies are then those buffers (None where absent).
         """
         cluster = self.topology()
         replies: list = [None] * len(commands)
         try:
             todo = {i: (self._owner(cluster, command[1]), False) for i, command in enumerate(commands)}
             for attempt in range(1 + REDIRECTS):
-                self._send(cluster, commands, todo, replies, each)
+                self._send(cluster, commands, todo, replies, each, into)
                 todo = self._redirected(cluster, replies) if attempt < REDIRECTS else {}
                 if not todo:
                     break
@@ -158,10 +173,12 @@ class ClusterClient:
     def _owner(cluster: RedisCluster, key) -> ClusterNode:
         return cluster.nodes_manager.get_node_from_slot(key_slot(key.encode() if isinstance(key, str) else key))
 
-    def _send(self, cluster: RedisCluster, commands: list[tuple], todo: dict, replies: list, each=None) -> None:
+    def _send(
+        self, cluster: RedisCluster, commands: list[tuple], todo: dict, replies: list, each=None, into=None
+    ) -> None:
         """Write each shard's commands, then read the replies (error replies kept as
-        values, others also handed to `each`); a connection failure closes every
-        connection used and raises."""
+        values, others also handed to `each`); a connection failure, or a reply out
+        of step, closes every connection used and raises."""
         shards: dict[str, tuple[ClusterNode, list]] = {}
         for i, (node, asking) in todo.items():
             shards.setdefault(node.name, (node, []))[1].append((i, asking))
@@ -174,6 +191,9 @@ class ClusterClient:
                 packed = [c for i, asking in batch for c in ([("ASKING",)] if asking else []) + [commands[i]]]
                 connection.send_packed_command(connection.pack_commands(packed))
             for client, connection, batch in opened:
+                if into is not None:
+                    _read_values(connection, batch, replies, each, into)
+                    continue
                 for i, asking in batch:
                     if asking:
                         _reply(client, connection, "ASKING")
@@ -202,6 +222,19 @@ class ClusterClient:
                 if node is not None:
                     todo[i] = (node, True)
         return todo
+
+
+def _read_values(connection, batch: list[tuple[int, bool]], replies: list, each, into: Into) -> None:
+    """A shard's replies to GETs (each after an ASKING's +OK where asked), by read_values."""
+
+    def got(k: int, value) -> None:
+        replies[batch[k][0]] = value
+        if each is not None:
+            each(batch[k][0], value)
+
+    errors = read_values(connection, len(batch), lambda k, n: into(batch[k][0], n), got, [a for _, a in batch])
+    for k, error in errors.items():
+        replies[batch[k][0]] = error
 
 
 def _reply(client: redis.Redis, connection, command: str):
@@ -233,3 +266,118 @@ class Batch:
     def execute(self) -> list:
         commands, self.commands = self.commands, []
         return self.client.run(commands) if commands else []
+
+
+# --- replies to GETs, read straight into place -----------------------------------------
+
+
+def read_values(
+    connection, count: int, into: Into, each: Callable[[int, object], None], asking: Sequence[bool] = ()
+) -> dict[int, redis.ResponseError]:
+    """The replies to `count` pipelined GETs (asking[k]: GET k follows an ASKING),
+    read off the connection's socket: each value straight into into(k, length),
+    then each(k, that buffer), or each(k, None) for a nil; a value `into` does
+    not take is read past and handed over as b"" (no sealed value); error
+    replies are returned by index (the connection is still in step).
+
+    Any other reply (the connection out of step), a short read or a timeout
+    raises; the caller must then disconnect.
+    """
+    reader = _Replies(connection)
+    errors: dict[int, redis.ResponseError] = {}
+    for k in range(count):
+        if k < len(asking) and asking[k]:
+            reader.status()
+        kind, rest = reader.line()
+        if kind == b"-":
+            errors[k] = BaseParser.parse_error(rest.decode("utf-8", "replace"))
+        elif kind == b"_" or (kind == b"$" and rest == b"-1"):  # nil (RESP3, RESP2)
+            each(k, None)
+        elif kind == b"$" and rest.isdigit() and len(rest) <= 18:
+            view = into(k, int(rest))
+            if view is None:
+                reader.skip(int(rest))
+                view = b""
+            else:
+                reader.fill(view)
+            each(k, view)
+        else:
+            raise InvalidResponse(f"reply {k}: {kind + rest[:32]!r}, not a reply to GET")
+    reader.finish()
+    return errors
+
+
+class _Replies:
+    """A connection's socket read by hand: lines through a small read-ahead, values
+    with recv_into into the caller's buffer (what was read ahead first). The
+    socket's timeout bounds every wait, as it bounds redis-py's reads."""
+
+    def __init__(self, connection):
+        self.sock = connection._sock
+        if self.sock is None:
+            raise redis.ConnectionError("not connected")
+        self.ahead = bytearray()
+
+    def line(self) -> tuple[bytes, bytes]:
+        """A reply's first line: (its type byte, the rest), CRLF left out."""
+        while (end := self.ahead.find(b"\r\n")) < 0:
+            if len(self.ahead) > LINE:
+                raise InvalidResponse("a reply line without its end")
+            self.ahead += self._recv(LINE)
+        line = bytes(self.ahead[:end])
+        del self.ahead[: end + 2]
+        if not line:
+            raise InvalidResponse("an empty reply line")
+        return line[:1], line[1:]
+
+    def status(self) -> None:
+        kind, rest = self.line()
+        if kind != b"+":
+            raise InvalidResponse(f"{kind + rest[:32]!r} where ASKING's +OK belongs")
+
+    def fill(self, view: memoryview) -> None:
+        """Exactly len(view) bytes into view, then the value's CRLF."""
+        done = min(len(self.ahead), len(view))
+        view[:done] = self.ahead[:done]
+        del self.ahead[:done]
+        while done < len(view):
+            done += self._recv_into(view[done:])
+        self._end()
+
+    def skip(self, n: int) -> None:
+        """A value of n bytes read and dropped, a bounded buffer at a time."""
+        scratch = memoryview(bytearray(min(n, LINE)))
+        done = min(len(self.ahead), n)
+        del self.ahead[:done]
+        while done < n:
+            done += self._recv_into(scratch[: min(n - done, len(scratch))])
+        self._end()
+
+    def _end(self) -> None:
+        while len(self.ahead) < 2:
+            self.ahead += self._recv(2 - len(self.ahead))
+        if self.ahead[:2] != b"\r\n":
+            raise InvalidResponse("a value longer than its length says")
+        del self.ahead[:2]
+
+    def finish(self) -> None:
+        if self.ahead:
+            raise InvalidResponse(f"{len(self.ahead)} bytes past the last reply")
+
+    def _recv(self, n: int) -> bytes:
+        try:
+            data = self.sock.recv(n)
+        except TimeoutError:
+            raise redis.TimeoutError("timeout reading from the server") from None
+        if not data:
+            raise redis.ConnectionError("the server closed the connection")
+        return data
+
+    def _recv_into(self, view: memoryview) -> int:
+        try:
+            got = self.sock.recv_into(view)
+        except TimeoutError:
+            raise redis.TimeoutError("timeout reading from the server") from None
+        if not got:
+            raise redis.ConnectionError("the server closed the connection mid-value")
+        return got

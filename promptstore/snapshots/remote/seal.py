@@ -111,17 +111,25 @@ class Assembly:
         self.nbytes = 0  # sealed bytes received
         self.error: RemoteError | None = None
 
-    def add(self, index: int, value) -> None:
-        """Open one piece into place; a piece gone or bad is kept as the blob's error."""
+    @property
+    def longest(self) -> int:
+        """The most bytes a value of this blob may have (a longer one is garbage)."""
+        return len(MAGIC) + NONCE + TAG + self.lead + self.limit // self.count + 1
+
+    def add(self, index: int, value) -> bool:
+        """Open one piece into place; a piece gone or bad is kept as the blob's error.
+        True when `value` is no longer needed (False: kept until a sibling opens)."""
         if self.error is not None:
-            return
+            return True
         try:
-            self._add(index, value)
+            return self._add(index, value)
         except RemoteError as e:
             self.error = e
             self.buffer = None
+            self.waiting.clear()
+            return True
 
-    def _add(self, index: int, value) -> None:
+    def _add(self, index: int, value) -> bool:
         where = _piece_where(self.names[index], index, self.count) if self.count > 1 else self.names[0]
         if value is None:
             raise RemoteError(f"{self.names[index][:20]}…: gone (evicted or never written)", "missing")
@@ -137,7 +145,7 @@ class Assembly:
         if self.size is None:
             if last and self.count > 1:
                 self.waiting[index] = value
-                return
+                return False
             if self.count * length > self.limit + self.count:
                 raise RemoteError(f"{where[:16]}…: pieces longer than the blob's record allows", "garbage")
             self.size = length
@@ -148,6 +156,7 @@ class Assembly:
                 self._open(i, v, _piece_where(self.names[i], i, self.count))
             self.waiting.clear()
         self._open(index, value, where)
+        return True
 
     def _open(self, index: int, value: bytes, where: str) -> None:
         size, lead = self.size, self.lead
@@ -158,7 +167,7 @@ class Assembly:
         at = index * size  # the piece's set id lands on the end of the piece before: kept aside
         kept = bytes(view[at : at + lead])
         try:
-            nonce = value[len(MAGIC) : len(MAGIC) + NONCE]
+            nonce = bytes(value[len(MAGIC) : len(MAGIC) + NONCE])
             self.aead.decrypt_into(
                 nonce, memoryview(value)[len(MAGIC) + NONCE :], where.encode(), view[at : at + lead + length]
             )
@@ -181,7 +190,10 @@ class Assembly:
 
 
 def _plaintext_bytes(value, where: str) -> int:
-    if not isinstance(value, bytes) or len(value) < len(MAGIC) + NONCE + TAG or not value.startswith(MAGIC):
+    """Of a sealed value: bytes as a client library gives them, or a buffer read into."""
+    if not isinstance(value, (bytes, memoryview)) or len(value) < len(MAGIC) + NONCE + TAG:
+        raise RemoteError(f"{where[:16]}…: not a sealed value", "garbage")
+    if bytes(value[: len(MAGIC)]) != MAGIC:
         raise RemoteError(f"{where[:16]}…: not a sealed value", "garbage")
     return len(value) - len(MAGIC) - NONCE - TAG
 

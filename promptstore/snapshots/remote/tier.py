@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import ClusterDownError, RedisClusterException
+from redis.exceptions import ClusterDownError, InvalidResponse, RedisClusterException
 from redis.retry import Retry
 
 from ...caches import Snapshot, present_layers
@@ -38,7 +38,7 @@ from ...identity import NodeId
 from ..cold import NODE_KEY, ColdTier, NodeFileMeta, load_bytes
 from ..safetensors_header import MAX_HEADER, header_of_bytes
 from .cluster import SCHEMES as CLUSTER_SCHEMES
-from .cluster import ClusterClient, ClusterURL
+from .cluster import ClusterClient, ClusterURL, read_values
 from .keys import CHUNK, RemoteKeys, blob_key, index_key
 from .seal import MAX_PIECES, Assembly, Chain, Link, seal_chain, seal_pieces, unseal_chain
 
@@ -181,6 +181,8 @@ class RemoteTier:
         except (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException, OSError) as e:
             self._down_until = time.monotonic() + RETRY_SECONDS
             raise RemoteError(f"{what}: {type(e).__name__}: {e}", "down") from None
+        except InvalidResponse as e:  # a reply out of step: its connection was closed
+            raise RemoteError(f"{what}: {e}", "garbage") from None
         except redis.RedisError as e:  # OOM under noeviction, WRONGTYPE, ...
             raise RemoteError(f"{what}: {e}", "refused") from None
 
@@ -302,18 +304,22 @@ class RemoteTier:
 
     def _open_pieces(self, seal_key: bytes, links: list[Link], names: dict[int, list[str]]) -> dict[int, Assembly]:
         """Every piece of the blobs `names` (link index -> its pieces' keys), asked
-        for in one round trip; each opened on the opening thread as soon as it is
-        read, while the next ones arrive."""
+        for in one round trip; each read into a buffer and opened on the opening
+        thread as soon as it is read, while the next ones arrive."""
         blobs = {i: Assembly(seal_key, pieces, links[i].nbytes + BLOB_SLACK) for i, pieces in names.items()}
         order = [(i, j) for i, pieces in names.items() for j in range(len(pieces))]
+        buffers = _Buffers()
         opening = []
+
+        def into(k: int, length: int) -> memoryview | None:
+            return buffers.take(length) if length <= blobs[order[k][0]].longest else None
 
         def arrived(k: int, value) -> None:
             i, j = order[k]
-            opening.append(self._opener().submit(blobs[i].add, j, value))
+            opening.append(self._opener().submit(_open, blobs[i], j, value, buffers))
 
         try:
-            self._call("fetch", lambda: self._stream([names[i][j] for i, j in order], arrived))
+            self._call("fetch", lambda: self._stream([names[i][j] for i, j in order], arrived, into))
         finally:
             for done in opening:
                 done.result()  # `add` keeps a bad piece as its blob's error; never raises
@@ -329,30 +335,27 @@ class RemoteTier:
                 self._opening = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="promptstore-remote-open"))
             return self._opening[1]
 
-    def _stream(self, names: list[str], each: Callable[[int, object], None]) -> None:
-        """GET every name in one round trip, calling each(index, value) as each value
-        is read (None where absent); the first error reply is raised after the last."""
+    def _stream(self, names: list[str], each: Callable[[int, object], None], into) -> None:
+        """GET every name in one round trip, each value read into into(index, length)
+        and handed to each(index, value) as soon as it is read (None where absent);
+        the first error reply is raised after the last."""
         commands = [("GET", name) for name in names]
         if self.cluster:
-            self.client.run(commands, each)
+            self.client.run(commands, each, into)
             return
         pool = self.client.connection_pool
         connection = pool.get_connection()
-        error, clean = None, False
+        clean = False
         try:
             connection.send_packed_command(connection.pack_commands(commands))
-            for k in range(len(names)):
-                try:
-                    each(k, connection.read_response())
-                except redis.ResponseError as e:  # an error reply: the connection is still in step
-                    error = error or e
+            errors = read_values(connection, len(names), into, each)
             clean = True
         finally:
             if not clean:
                 connection.disconnect()  # replies may be left unread: never reuse it
             pool.release(connection)
-        if error is not None:
-            raise error
+        if errors:
+            raise errors[min(errors)]
 
     def _verified(self, namespace: bytes, link: Link, data: memoryview, key: bytes | None) -> list[Snapshot]:
         """The blob's snapshots, verified as the cold loader verifies a file of node
@@ -516,6 +519,32 @@ class RemoteTier:
         if self._opening is not None:
             self._opening[1].shutdown(wait=True)  # what it has left is bounded work on bytes in memory
         self.client.close()
+
+
+class _Buffers:
+    """What fetched values are read into, each used again once its piece has opened:
+    a fetch writes a few pieces' worth of fresh memory, not the whole blob's."""
+
+    def __init__(self):
+        self.free: list[np.ndarray] = []
+        self.lock = threading.Lock()
+
+    def take(self, length: int) -> memoryview:
+        with self.lock:
+            for k, buffer in enumerate(self.free):
+                if len(buffer) >= length:
+                    return memoryview(self.free.pop(k))[:length]
+        return memoryview(np.empty(length, np.uint8))
+
+    def give(self, value: memoryview) -> None:
+        with self.lock:
+            self.free.append(value.obj)
+
+
+def _open(blob: Assembly, index: int, value, buffers: _Buffers) -> None:
+    """Open a piece into its blob (on the opening thread), its buffer then free."""
+    if blob.add(index, value) and isinstance(value, memoryview):
+        buffers.give(value)
 
 
 def _record_positions(link: LocalLink) -> list[int]:
