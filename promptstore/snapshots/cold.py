@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import math
 import mmap
 import os
@@ -22,7 +23,6 @@ import secrets
 import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +35,11 @@ from ..caches import FORMAT_VERSION, Snapshot, from_flat, to_flat
 from ..caches.serialize import METADATA_KEY, READABLE_VERSIONS, parse_record
 from ..errors import CacheError, ColdFileError, DiskWriteError
 from ..identity import NodeId
-from . import device
-from .safetensors_header import header_of_bytes, read_header
+from . import device, reader
+from .safetensors_header import header_of_bytes, header_of_fd, open_regular
 from .safetensors_writer import write_safetensors
+
+log = logging.getLogger("promptstore.snapshots")
 
 NODE_KEY = "promptstore.node"
 SUFFIX = ".safetensors"
@@ -71,17 +73,7 @@ class FileRef:
 # a file is hashed on the calling thread, where the hand-off would cost more.
 PARALLEL_HASH_BYTES = 4 << 20
 HASH_THREADS = min(8, os.cpu_count() or 1)
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    """This process's hashing threads (a forked child makes its own)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="promptstore-hash"))
-        return _pool[1]
+_hash_pool = reader.ProcessPool(HASH_THREADS, "promptstore-hash")
 
 
 def checksums(arrays: dict[str, mx.array], then: Callable[[list[mx.array]], object] | None = None) -> dict[str, str]:
@@ -183,18 +175,28 @@ def resident_bytes(path: Path) -> int | None:
         os.close(fd)
 
 
-def checked_header(path: Path, rel: str):
-    """The file's safetensors header and metadata, or ColdFileError (nothing read past it)."""
+def checked_open(path: Path, rel: str) -> tuple[int, dict, dict, int]:
+    """The file opened for reading, with its safetensors header, metadata and
+    the offset its data starts at; or ColdFileError (nothing read past the
+    header). The descriptor is the caller's to close."""
     try:
         kind = _kind(os.lstat(path).st_mode)
         if kind != "file":
             raise ColdFileError(f"{rel}: a {kind}, not a snapshot file", "not a file", rel)
-        return read_header(path)
+        fd = open_regular(path)
     except FileNotFoundError:
         raise ColdFileError(f"{rel}: missing", "missing", rel) from None
     except OSError as e:
         raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
+    except ValueError as e:
+        raise ColdFileError(f"{rel}: bad header: {e}", "header", rel) from None
+    try:
+        return (fd, *header_of_fd(fd))
+    except OSError as e:
+        os.close(fd)
+        raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
     except (ValueError, RecursionError) as e:
+        os.close(fd)
         raise ColdFileError(f"{rel}: bad header: {e}", "header", rel) from None
 
 
@@ -217,30 +219,57 @@ def checked_identity(metadata, rel: str, node: NodeId) -> NodeFileMeta:
 
 
 class PendingLoad:
-    """A cold file MLX is reading; nothing of it is used before `result()` has
+    """A cold file being read; nothing of it is used before `result()` has
     checked its identity, record and every array's checksum. Several threads may
-    wait on one load: the first verifies, the others get what it found."""
+    wait on one load: the first verifies, the others get what it found.
+
+    On CUDA promptstore's reading threads read the file (snapshots/reader.py):
+    many arrays at once, each hashed as it is read and copied on to the GPU
+    through pinned buffers. Elsewhere MLX's loader reads it on the CPU stream,
+    into memory the model reads in place, and the arrays are hashed as MLX
+    finishes them: there the reading threads would gain nothing, as MLX cannot
+    make an array without filling it, and filling fresh memory costs what
+    reading into it does.
+    """
 
     def __init__(self, tier: ColdTier, rel: str, node: NodeId):
         self.rel, self.span = rel, (node.start, node.end)
         self.error: ColdFileError | None = None
         self.arrays: dict[str, mx.array] = {}
+        self.read: reader.FileRead | None = None
         self._lock = threading.Lock()
         self._verified: list[Snapshot] | None = None
         try:
-            path = tier.absolute(rel)
-            self.header, self.metadata = checked_header(path, rel)  # strict: MLX only opens a consistent layout
-            self.meta = checked_identity(self.metadata, rel, node)
+            self.path = tier.absolute(rel)
+            fd, self.header, self.metadata, base = checked_open(self.path, rel)  # strict: a consistent layout only
         except ColdFileError as e:
             self.error = e
             return
         try:
+            self.meta = checked_identity(self.metadata, rel, node)
+            if parallel_reads():
+                try:
+                    self.read = reader.FileRead(fd, self.header, base)  # closes fd when its reads end
+                    return
+                except Exception as e:  # the device or MLX, not the file: MLX's loader reads it
+                    self.read = None
+                    log.warning("%s: promptstore's reader failed (%s); MLX's loader reads it", rel, e)
+                    return self._mlx_load()
+            os.close(fd)
+            self._mlx_load()
+        except ColdFileError as e:
+            if self.read is None:
+                _close_quietly(fd)
+            self.error = e
+
+    def _mlx_load(self) -> None:
+        try:
             # On the CPU stream: MLX's I/O threads read the file into memory every
             # backend's device can use, in parallel, while the caller goes on.
-            self.arrays = mx.load(str(path), stream=device.LOAD_STREAM)
+            self.arrays = mx.load(str(self.path), stream=device.LOAD_STREAM)
             mx.async_eval(list(self.arrays.values()))
         except (RuntimeError, ValueError, OSError) as e:
-            self.error = ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel)
+            self.error = ColdFileError(f"{self.rel}: unreadable: {e}", "unreadable", self.rel)
 
     def result(self) -> list[Snapshot]:
         """The verified snapshots, or ColdFileError saying what is wrong."""
@@ -250,7 +279,7 @@ class PendingLoad:
                     self._verified = self._verify()
                 except ColdFileError as e:
                     self.error = e
-                self.arrays = {}  # the snapshots hold what is needed
+                self.arrays, self.read = {}, None  # the snapshots hold what is needed
             if self.error is not None:
                 raise self.error
             return self._verified
@@ -258,16 +287,44 @@ class PendingLoad:
     def _verify(self) -> list[Snapshot]:
         rel, meta = self.rel, self.meta
         record = checked_record(rel, meta, self.header, self.metadata)
-        try:
-            # Each array hashed as soon as MLX has read it, then on its way to the GPU
-            # (CUDA), before its first use; nothing reads it before the checks pass.
-            sums = checksums(self.arrays, then=device.prefetch)
-        except (RuntimeError, ValueError, OSError) as e:
-            raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
+        sums = None
+        if self.read is not None:
+            try:
+                self.arrays, sums = self.read.result()
+            except OSError as e:  # the file, as the reading threads met it (ShortRead included)
+                raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
+            except Exception as e:  # the device or MLX, not the file
+                log.warning("%s: promptstore's reader failed (%s); MLX's loader reads it", rel, e)
+                self._mlx_load()
+                if self.error is not None:
+                    raise self.error from None
+        if sums is None:
+            try:
+                # Each array hashed as soon as MLX has read it, then on its way to the GPU
+                # (CUDA), before its first use; nothing reads it before the checks pass.
+                sums = checksums(self.arrays, then=device.prefetch)
+            except (RuntimeError, ValueError, OSError) as e:
+                raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
         for name in self.arrays:
             if sums[name] != meta.checksums.get(name):
                 raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
         return checked_snapshots(rel, self.arrays, record, self.span)
+
+
+# Whether cold files are read by promptstore's reading threads (None: on CUDA,
+# when its runtime is reachable; True or False: always, never).
+PARALLEL_READS: bool | None = None
+
+
+def parallel_reads() -> bool:
+    return device.runtime() is not None if PARALLEL_READS is None else PARALLEL_READS
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def checked_record(rel: str, meta: NodeFileMeta, header: dict, metadata: dict):

@@ -5,8 +5,9 @@ where the model reads it, and the host reads any array in place. On CUDA, MLX
 keeps arrays made on the CPU stream in managed memory (a GPU kernel migrates
 it on first touch) and moves a device array into managed memory for good the
 moment the host reads it, with the reader's GIL held. These helpers keep hot
-arrays on the device, take host reads off the GIL, and move read files to the
-device ahead of their first use.
+arrays on the device, take host reads off the GIL, and reach the CUDA runtime
+MLX loaded: the staged copies of promptstore's reader (reader.py) and the
+prefetch of files MLX's loader read into managed memory.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import mlx.core as mx
 
 log = logging.getLogger("promptstore.snapshots")
 
-# Files are read on MLX's CPU stream: into memory every backend's device can use
-# (unified on Apple silicon, managed on CUDA), read by MLX's I/O threads in parallel.
+# Where MLX's loader reads cold files (CPU, Apple silicon; CUDA without promptstore's
+# reader): memory every backend's device can use, read by MLX's I/O threads.
 LOAD_STREAM = mx.cpu
 
 
@@ -43,33 +44,39 @@ def host_readable(arrays: dict[str, mx.array]) -> dict[str, mx.array]:
     if not CUDA or not arrays:
         return arrays
     copies = {name: mx.contiguous(mx.array(a)) for name, a in arrays.items()}
-    mx.eval([mx.sum(c.reshape(-1)[:1], stream=mx.cpu) for c in copies.values() if c.size])
+    host_address_space(list(copies.values()))
     return copies
 
 
-def to_device(arrays: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Arrays read from a file, placed where the model reads them fastest.
-
-    CUDA: copies in device memory, so a hit's first use does not migrate managed
-    pages a fault at a time (the copy migrates them here, off the hit's path).
-    Elsewhere: the arrays themselves.
-    """
-    if not CUDA or not arrays:
-        return arrays
-    out = {name: mx.array(a) for name, a in arrays.items()}
-    mx.eval(list(out.values()))
-    return out
+def address(array: mx.array) -> int:
+    """The host address of an array's memory (on CUDA, managed memory: call it
+    only on arrays already there, as host_address_space leaves them)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(memoryview(array)))
 
 
-# --- prefetching managed memory to the GPU (CUDA only; a hint, never needed for correctness) ---
+def host_address_space(arrays: list[mx.array]) -> None:
+    """CUDA: move arrays MLX made in device memory into managed memory, where
+    the host can address them, by a one-element read on the CPU stream (inside
+    mx.eval, so without the GIL). A buffer moves by a copy on the device: its
+    pages stay there."""
+    if CUDA:
+        mx.eval([mx.sum(a.reshape(-1)[:1], stream=mx.cpu) for a in arrays if a.size])
 
-_prefetcher = None
-_prefetcher_lock = threading.Lock()
+
+# --- the CUDA runtime MLX loaded (prefetches and staged copies; CUDA only) ---
+
+_runtime = None
+_runtime_lock = threading.Lock()
 
 
-class _Prefetcher:
-    """cudaMemPrefetchAsync of managed ranges to the current device, through the
-    CUDA runtime MLX loaded. Managed memory stays coherent whatever this does."""
+class CudaError(RuntimeError):
+    """The CUDA runtime refused a call (not the fault of any file)."""
+
+
+class _Runtime:
+    """The CUDA runtime MLX loaded, called through ctypes (each call releases
+    the GIL): prefetches of managed ranges to the current device, and copies
+    from pinned staging buffers on each thread's own stream."""
 
     def __init__(self):
         path = next(
@@ -77,48 +84,85 @@ class _Prefetcher:
         )
         if path is None:
             raise OSError("the CUDA runtime is not loaded")
-        self.lib = ctypes.CDLL(path)
+        lib = self.lib = ctypes.CDLL(path)
+        vp = ctypes.c_void_p
         self.device = ctypes.c_int(0)
-        self.lib.cudaGetDevice(ctypes.byref(self.device))
-        self.stream = ctypes.c_void_p(2)  # cudaStreamPerThread
-        if hasattr(self.lib, "cudaMemPrefetchAsync_v2") or ".so.13" in path:
+        lib.cudaGetDevice(ctypes.byref(self.device))
+        self.stream = vp(2)  # cudaStreamPerThread: each thread its own stream
+        if hasattr(lib, "cudaMemPrefetchAsync_v2") or ".so.13" in path:
 
             class Location(ctypes.Structure):
                 _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
-            fn = getattr(self.lib, "cudaMemPrefetchAsync_v2", None) or self.lib.cudaMemPrefetchAsync
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, Location, ctypes.c_uint, ctypes.c_void_p]
+            fn = getattr(lib, "cudaMemPrefetchAsync_v2", None) or lib.cudaMemPrefetchAsync
+            fn.argtypes = [vp, ctypes.c_size_t, Location, ctypes.c_uint, vp]
             location = Location(1, self.device.value)  # cudaMemLocationTypeDevice
-            self.call = lambda ptr, n: fn(ptr, n, location, 0, self.stream)
+            self._prefetch = lambda ptr, n: fn(ptr, n, location, 0, self.stream)
         else:
-            fn = self.lib.cudaMemPrefetchAsync
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-            self.call = lambda ptr, n: fn(ptr, n, self.device.value, self.stream)
-        self.lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+            fn = lib.cudaMemPrefetchAsync
+            fn.argtypes = [vp, ctypes.c_size_t, ctypes.c_int, vp]
+            self._prefetch = lambda ptr, n: fn(ptr, n, self.device.value, self.stream)
+        lib.cudaStreamSynchronize.argtypes = [vp]
+        lib.cudaHostAlloc.argtypes = [ctypes.POINTER(vp), ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaMemcpyAsync.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, vp]
+        lib.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+        lib.cudaEventRecord.argtypes = [vp, vp]
+        lib.cudaEventSynchronize.argtypes = [vp]
 
-    def __call__(self, arrays) -> bool:
+    def check(self, code: int, what: str) -> None:
+        if code != 0:
+            raise CudaError(f"{what} failed (CUDA error {code})")
+
+    def prefetch(self, arrays) -> bool:
         for a in arrays:
-            if a.nbytes == 0:
-                continue
-            view = memoryview(a)  # managed memory already: nothing moves
-            ptr = ctypes.addressof(ctypes.c_char.from_buffer(view))
-            if self.call(ptr, a.nbytes) != 0:
+            if a.nbytes and self._prefetch(address(a), a.nbytes) != 0:
                 return False
         return self.lib.cudaStreamSynchronize(self.stream) == 0
+
+    def pinned(self, nbytes: int) -> tuple[int, memoryview]:
+        """Page-locked host memory (never freed: staging buffers live as long as
+        the process), as its address and a writable view."""
+        ptr = ctypes.c_void_p()
+        self.check(self.lib.cudaHostAlloc(ctypes.byref(ptr), nbytes, 0), "cudaHostAlloc")
+        return ptr.value, memoryview((ctypes.c_char * nbytes).from_address(ptr.value)).cast("B")
+
+    def event(self) -> ctypes.c_void_p:
+        event = ctypes.c_void_p()
+        self.check(self.lib.cudaEventCreateWithFlags(ctypes.byref(event), 2), "cudaEventCreate")  # no timing
+        return event
+
+    def copy_async(self, dst: int, src: int, nbytes: int, done: ctypes.c_void_p) -> None:
+        """Copy on this thread's stream; `done` is recorded after it."""
+        self.check(self.lib.cudaMemcpyAsync(dst, src, nbytes, 4, self.stream), "cudaMemcpyAsync")  # cudaMemcpyDefault
+        self.check(self.lib.cudaEventRecord(done, self.stream), "cudaEventRecord")
+
+    def wait(self, event: ctypes.c_void_p) -> None:
+        self.check(self.lib.cudaEventSynchronize(event), "cudaEventSynchronize")
+
+    def sync(self) -> None:
+        """Wait for everything this thread queued."""
+        self.check(self.lib.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+
+
+def runtime() -> _Runtime | None:
+    """The CUDA runtime MLX loaded; None where MLX does not run on CUDA, or the
+    runtime cannot be reached (logged once)."""
+    global _runtime
+    if not CUDA:
+        return None
+    with _runtime_lock:
+        if _runtime is None:
+            try:
+                _runtime = _Runtime()
+            except (OSError, AttributeError) as e:
+                log.info("the CUDA runtime is not reachable (%s): reads go through MLX's loader", e)
+                _runtime = False
+    return _runtime or None
 
 
 def prefetch(arrays) -> bool:
     """Migrate host-resident arrays (read on the CPU stream) to the GPU now, at the
     bus's speed, instead of a page fault at a time at their first use. False where
     there is nothing to do (not CUDA) or the runtime refused."""
-    global _prefetcher
-    if not CUDA:
-        return False
-    with _prefetcher_lock:
-        if _prefetcher is None:
-            try:
-                _prefetcher = _Prefetcher()
-            except (OSError, AttributeError) as e:
-                log.info("no managed-memory prefetch (%s): pages migrate on first use", e)
-                _prefetcher = False
-    return bool(_prefetcher) and _prefetcher(list(arrays))
+    rt = runtime()
+    return rt is not None and rt.prefetch(list(arrays))

@@ -32,16 +32,34 @@ ITEMSIZE = {
 
 def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
     """(tensors by name: {dtype, shape, data_offsets}, string metadata)."""
-    # O_NONBLOCK: a FIFO or device put in place of a file must not hang the reader.
+    fd = open_regular(path)
+    try:
+        header, metadata, _ = header_of_fd(fd)
+        return header, metadata
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """A descriptor of `path` opened for reading, if it is a regular file (not
+    through a symlink); else ValueError. O_NONBLOCK: a FIFO or device put in
+    place of a file must not hang the reader."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("not a regular file")
-        size = info.st_size
-        length = header_length(f.read(8), size)
-        raw = f.read(length)
-    return parse_header(raw, size - 8 - length)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError("not a regular file")
+    return fd
+
+
+def header_of_fd(fd: int) -> tuple[dict, dict, int]:
+    """read_header of an open file, with the offset its tensor data starts at."""
+    size = os.fstat(fd).st_size
+    length = header_length(os.pread(fd, 8, 0), size)
+    raw = os.pread(fd, length, 8)
+    if len(raw) != length:
+        raise ValueError("file ends inside its header")
+    header, metadata = parse_header(raw, size - 8 - length)
+    return header, metadata, 8 + length
 
 
 def header_of_bytes(data: memoryview) -> tuple[dict, dict, int]:

@@ -23,6 +23,7 @@ from promptstore import caches as C
 from promptstore.caches.serialize import METADATA_KEY as SNAPSHOTS_KEY
 from promptstore.errors import ColdFileError
 from promptstore.identity import NodeId
+from promptstore.snapshots import cold
 from promptstore.snapshots.cold import NODE_KEY, TEMP_MARK, ColdTier
 from promptstore.testing import models
 
@@ -174,8 +175,12 @@ def _family_snapshots(family: str, lo: int = 17, hi: int = 40):
     return model_snapshots(_model(family), lo, hi)
 
 
-@pytest.fixture
-def tier(tmp_path):
+@pytest.fixture(params=["mlx loader", "reading threads"])
+def tier(request, tmp_path, monkeypatch):
+    """A cold tier, read by MLX's loader or by promptstore's reading threads
+    (CUDA's reader, placing the bytes in host memory here): every check below
+    holds for both."""
+    monkeypatch.setattr(cold, "PARALLEL_READS", request.param == "reading threads")
     return ColdTier(tmp_path / "cold")
 
 
@@ -930,17 +935,18 @@ def test_a_damaged_array_of_a_large_file_is_caught(tier, which):
 
 @pytest.mark.parametrize("cut", [0.3, 0.99])
 def test_a_file_truncated_after_its_header_check_is_unreadable(tier, monkeypatch, cut):
-    """Another process truncated the file between the header check and MLX's
-    read: a miss, never an exception from MLX's reading thread."""
+    """Another process truncated the file between the header check and the
+    read: a miss, never an exception from a reading thread."""
     snaps = _big_snapshots(layers=2)
     ref = put(tier, snaps)
-    real_load = mx.load
+    real_header = cold.header_of_fd
 
-    def truncated_first(path, **kwargs):
-        os.truncate(path, int(os.path.getsize(path) * cut))
-        return real_load(path, **kwargs)
+    def then_truncated(fd):
+        checked = real_header(fd)
+        os.truncate(path_of(tier, ref.path), int(os.fstat(fd).st_size * cut))
+        return checked
 
-    monkeypatch.setattr(mx, "load", truncated_first)
+    monkeypatch.setattr(cold, "header_of_fd", then_truncated)
     assert outcome(tier, ref.path, snaps) in {"cold:unreadable", "cold:checksum"}
 
 

@@ -5,8 +5,9 @@ prefixes of several lengths: time to first token (TTFT) of a full prefill, of a
 hot hit, and of cold hits served by each plan (load, recompute, split, and auto,
 the store's own choice) with the page cache warm and dropped; a cold restore
 alone against mx.load of the same bytes; restore GB/s beside the host's limits
-(page cache, disk, memcpy, and on CUDA host-to-device uploads); the cold tier's
-write against mlx-lm's save_prompt_cache + fsync of the same cache. Runs of
+(page cache and disk read by dd and by the reading threads' pattern, memcpy,
+and on CUDA host-to-device uploads); the cold tier's write against mlx-lm's
+save_prompt_cache + fsync of the same cache. Runs of
 different paths alternate, so a shared machine weighs on each alike; medians
 are quoted.
 
@@ -27,7 +28,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,7 +46,7 @@ from mlx_lm.models.cache import save_prompt_cache  # noqa: E402
 from promptstore import PromptStore  # noqa: E402
 from promptstore.caches import make_prompt_cache, snapshot_prompt_cache  # noqa: E402
 from promptstore.identity import NodeId  # noqa: E402
-from promptstore.snapshots import device  # noqa: E402
+from promptstore.snapshots import device, reader  # noqa: E402
 from promptstore.snapshots.cold import ColdTier, resident_bytes  # noqa: E402
 from promptstore.testing.models import tiny_model  # noqa: E402
 
@@ -385,6 +388,34 @@ def dd_rate(path: Path) -> float | None:
         return None
 
 
+def parallel_read_rate(files: list[Path]) -> float:
+    """GB/s of promptstore's reading threads' pattern alone (THREADS threads, pread
+    in CHUNK pieces into buffers of their own), without hashing or copying: the
+    page cache's or disk's limit for the cold tier's reader."""
+    pieces = [
+        (f, at, min(reader.CHUNK, f.stat().st_size - at))
+        for f in files
+        for at in range(0, f.stat().st_size, reader.CHUNK)
+    ]
+    fds = {f: os.open(f, os.O_RDONLY) for f in files}
+    local = threading.local()
+
+    def read(piece):
+        path, at, n = piece
+        if getattr(local, "buffer", None) is None:
+            local.buffer = memoryview(bytearray(reader.CHUNK))
+        return os.preadv(fds[path], [local.buffer[:n]], at)
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(reader.THREADS) as pool:
+            total = sum(pool.map(read, pieces))
+        return total / (time.perf_counter() - t0) / 1e9
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 def memcpy_rate(nbytes: int = 256 << 20) -> float:
     src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     np.copyto(dst, src)
@@ -426,9 +457,19 @@ def host_limits(root: Path, drop: str) -> dict:
     big = files[0]
     warm_page_cache(root)
     warm = dd_rate(big)
+    threads_warm = parallel_read_rate(files)
     drop_page_cache(root, drop)
     disk = dd_rate(big)
-    return {"dd_page_cache_gbps": warm, "dd_disk_gbps": disk, "memcpy_gbps": memcpy_rate(), **upload_rates()}
+    drop_page_cache(root, drop)
+    threads_disk = parallel_read_rate(files)
+    return {
+        "dd_page_cache_gbps": warm,
+        "dd_disk_gbps": disk,
+        f"pread_{reader.THREADS}_threads_page_cache_gbps": threads_warm,
+        f"pread_{reader.THREADS}_threads_disk_gbps": threads_disk,
+        "memcpy_gbps": memcpy_rate(),
+        **upload_rates(),
+    }
 
 
 # --- the run --------------------------------------------------------------------------------

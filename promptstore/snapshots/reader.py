@@ -1,0 +1,317 @@
+"""Reading a node file's arrays on promptstore's reading threads (CUDA).
+
+MLX only allocates the arrays: one block per GiB of a file, each array a view
+of its own aligned span. Each array's bytes are read with `pread` in chunks of
+a few MB on up to 16 threads, many arrays and files at once, hashed (xxh3-128,
+streaming) while the chunk is in the CPU's cache, and put where the model
+reads them:
+
+- on CUDA, into one of the thread's two pinned staging buffers, then copied
+  to the block in device memory asynchronously while the next chunk is read
+  (`StagedCopies`); a read goes at the speed of the page cache or the disk
+  and of the bus, not of one loader thread and a migration of managed pages;
+- where the host writes the array's memory itself (CPU, Apple silicon), the
+  chunk is read straight into it (`HostWrites`). There MLX's own loader is as
+  fast (filling fresh memory costs what reading into it does, and MLX makes no
+  array without filling it), so the cold tier uses MLX's loader on those
+  backends and this placement serves the tests of the reader's logic.
+
+Nothing in Python runs inside MLX's loader, and nothing here uses a byte: the
+caller compares the digests before any array leaves the cold tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import mlx.core as mx
+import xxhash
+
+from . import device
+
+log = logging.getLogger("promptstore.snapshots")
+
+CHUNK = 4 << 20  # bytes read, hashed and copied at a time
+THREADS = max(2, min(16, os.cpu_count() or 1))
+BLOCK_BYTES = 1 << 30  # arrays allocated as one block (a dimension of MLX holds under 2 GiB)
+
+MLX_DTYPES = {
+    "BOOL": mx.bool_,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "F32": mx.float32,
+    "U64": mx.uint64,
+    "I64": mx.int64,
+}
+
+
+class ShortRead(OSError):
+    """The file ended before an array's last byte (it shrank after its header was read)."""
+
+
+class ProcessPool:
+    """A pool of threads of this process, made at first use (a forked child
+    makes its own)."""
+
+    def __init__(self, workers: int, name: str):
+        self.workers, self.name = workers, name
+        self._pool: tuple[int, ThreadPoolExecutor] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._pool[0] != os.getpid():
+                self._pool = (os.getpid(), ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=self.name))
+            return self._pool[1]
+
+
+_read_pool = ProcessPool(THREADS, "promptstore-read")  # the reading threads
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise ShortRead(f"the file ends {len(view) - done} bytes before an array does")
+        done += got
+
+
+ALIGN = 256  # where each array starts in its block
+
+
+class _Placement:
+    """Where a file's arrays land: blocks MLX allocates (one per BLOCK_BYTES of
+    arrays, all made in one batch before any read starts, so the reads never
+    compete with the allocation for the interpreter), each array a view of its
+    own aligned span of a block."""
+
+    def allocate(self, specs: list[tuple[list[int], mx.Dtype]]) -> list[tuple[mx.array, object]]:
+        spans, sizes = [], [0]  # (block, offset, nbytes) of each array; each block's size
+        for shape, dtype in specs:
+            nbytes = math.prod(shape) * dtype.size
+            padded = -(-nbytes // ALIGN) * ALIGN
+            if sizes[-1] and sizes[-1] + padded > BLOCK_BYTES:
+                sizes.append(0)
+            spans.append((len(sizes) - 1, sizes[-1], nbytes))
+            sizes[-1] += padded
+        made = self._blocks([n for n in sizes if n])  # an empty file makes none
+        arrays = [
+            made[i][0][o : o + n].view(dtype).reshape(shape) if n else mx.zeros(shape, dtype)
+            for (i, o, n), (shape, dtype) in zip(spans, specs)
+        ]
+        mx.eval(arrays)
+        return [(a, self._target(made[i][1], o, n) if n else None) for a, (i, o, n) in zip(arrays, spans)]
+
+    def _blocks(self, sizes: list[int]) -> list[tuple[mx.array, object]]:
+        """Blocks of these sizes, each with what the reads write through (a view, an address)."""
+        raise NotImplementedError
+
+    def _target(self, base, offset: int, nbytes: int):
+        raise NotImplementedError
+
+
+class HostWrites(_Placement):
+    """Arrays whose memory the host writes in place (CPU, Apple silicon): each
+    chunk is read straight into it."""
+
+    def _blocks(self, sizes: list[int]) -> list[tuple[mx.array, memoryview]]:
+        blocks = [mx.zeros((n,), mx.uint8, stream=mx.cpu) for n in sizes]
+        mx.eval(blocks)
+        return [(b, memoryview(b).cast("B")) for b in blocks]
+
+    def _target(self, base: memoryview, offset: int, nbytes: int) -> memoryview:
+        return base[offset : offset + nbytes]
+
+    def read(self, fd: int, offset: int, nbytes: int, view: memoryview) -> str:
+        digest = xxhash.xxh3_128()
+        for start in range(0, nbytes, CHUNK):
+            chunk = view[start : min(start + CHUNK, nbytes)]
+            _pread_into(fd, chunk, offset + start)
+            digest.update(chunk)
+        return digest.hexdigest()
+
+
+class _Staging(threading.local):
+    """Each reading thread's two pinned buffers (made at its first staged read,
+    kept for the process's life), with the size they were made at."""
+
+    buffers: list | None = None
+    size = 0
+
+
+_staging = _Staging()
+
+
+class StagedCopies(_Placement):
+    """CUDA: each block in device memory, filled from each reading thread's two
+    pinned buffers by asynchronous copies while the next chunk is read.
+
+    A block is the output of a one-thread kernel that writes the block's device
+    address beside it: MLX allocates it (without filling it) and never moves
+    it, so the copies land where the model reads. Where that kernel cannot be
+    built, a block is made by MLX and moved into managed memory, whose pages
+    stay on the device (the host can name their addresses), at the cost of
+    that move."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def _blocks(self, sizes: list[int]) -> list[tuple[mx.array, int]]:
+        kernel = _address_kernel()
+        if kernel is not None:
+            made = [
+                kernel(
+                    inputs=[mx.array(0, mx.uint8)],
+                    output_shapes=[(n,), (1,)],
+                    output_dtypes=[mx.uint8, mx.uint64],
+                    grid=(1, 1, 1),
+                    threadgroup=(1, 1, 1),
+                )
+                for n in sizes
+            ]
+            mx.eval(made)
+            return [(block, int(address.item())) for block, address in made]
+        blocks = [mx.zeros((n,), mx.uint8) for n in sizes]
+        mx.eval(blocks)
+        device.host_address_space(blocks)
+        return [(b, device.address(b)) for b in blocks]
+
+    def _target(self, base: int, offset: int, nbytes: int) -> int:
+        return base + offset
+
+    def _buffers(self) -> tuple[list, int]:
+        if _staging.buffers is None:
+            rt = self.runtime
+            _staging.size = CHUNK
+            _staging.buffers = [[*rt.pinned(CHUNK), rt.event(), False] for _ in range(2)]
+        return _staging.buffers, _staging.size
+
+    def read(self, fd: int, offset: int, nbytes: int, address: int) -> str:
+        rt = self.runtime
+        buffers, chunk = self._buffers()
+        digest = xxhash.xxh3_128()
+        try:
+            for i, start in enumerate(range(0, nbytes, chunk)):
+                buffer = buffers[i % 2]
+                ptr, view, done, busy = buffer
+                if busy:
+                    rt.wait(done)  # its previous chunk is on the device
+                    buffer[3] = False
+                m = min(chunk, nbytes - start)
+                _pread_into(fd, view[:m], offset + start)
+                digest.update(view[:m])
+                rt.copy_async(address + start, ptr, m, done)
+                buffer[3] = True
+        finally:
+            rt.sync()  # nothing of this array is in flight once it returns (or raises)
+            for buffer in buffers:
+                buffer[3] = False
+        return digest.hexdigest()
+
+
+_kernel = None
+_kernel_lock = threading.Lock()
+
+
+def _address_kernel():
+    """The block-and-address kernel (built once; None where it cannot be, logged)."""
+    global _kernel
+    with _kernel_lock:
+        if _kernel is None:
+            try:
+                kernel = mx.fast.cuda_kernel(
+                    name="promptstore_block_address",
+                    input_names=["unused"],
+                    output_names=["block", "address"],
+                    source="if (blockIdx.x == 0 && threadIdx.x == 0) { address[0] = (uint64_t)block; }",
+                )
+                block, address = kernel(
+                    inputs=[mx.array(0, mx.uint8)],
+                    output_shapes=[(256,), (1,)],
+                    output_dtypes=[mx.uint8, mx.uint64],
+                    grid=(1, 1, 1),
+                    threadgroup=(1, 1, 1),
+                )
+                mx.eval(block, address)
+                if not address.item():
+                    raise RuntimeError("the kernel wrote no address")
+                _kernel = kernel
+            except Exception as e:  # an MLX without cuda_kernel, or no compiler at hand
+                log.info("blocks are made in managed memory (no address kernel: %s)", e)
+                _kernel = False
+        return _kernel or None
+
+
+def destination():
+    """How this process places what it reads: staged copies on CUDA (when its
+    runtime is reachable), else writes in place."""
+    runtime = device.runtime()
+    return StagedCopies(runtime) if runtime is not None else HostWrites()
+
+
+class FileRead:
+    """The reading of one open file's arrays, under way on the reading threads.
+
+    `result()` gives the arrays and each one's xxh3-128 once every read is done
+    (or raises the first error: OSError, ShortRead, device.CudaError). The
+    descriptor is closed when the last read ends, whoever waits for it.
+    """
+
+    def __init__(self, fd: int, tensors: dict, base: int, placing=None):
+        self.arrays: dict[str, mx.array] = {}
+        self._reads: dict[str, Future] = {}
+        # The descriptor stays open while this constructor or any read may use it.
+        self._fd, self._users, self._lock = fd, 1, threading.Lock()
+        try:
+            placing = placing if placing is not None else destination()
+            names = sorted(tensors, key=lambda n: tensors[n]["data_offsets"][0])
+            specs = [(tensors[n]["shape"], MLX_DTYPES[tensors[n]["dtype"]]) for n in names]
+            pool = _read_pool()
+            for name, (array, where) in zip(names, placing.allocate(specs)):
+                self.arrays[name] = array
+                begin, end = tensors[name]["data_offsets"]
+                if end > begin:
+                    self._submit(pool, name, placing.read, base + begin, end - begin, where)
+        finally:
+            self._release()
+
+    def _submit(self, pool, name, read, offset, nbytes, where) -> None:
+        with self._lock:
+            self._users += 1
+        try:
+            future = pool.submit(read, self._fd, offset, nbytes, where)
+        except BaseException:
+            self._release()
+            raise
+        future.add_done_callback(lambda _: self._release())
+        self._reads[name] = future
+
+    def _release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users:
+                return
+        os.close(self._fd)
+
+    def result(self) -> tuple[dict[str, mx.array], dict[str, str]]:
+        digests, error = {}, None
+        for name, read in self._reads.items():
+            try:
+                digests[name] = read.result()
+            except BaseException as e:  # every read is waited for before anything is raised
+                error = error or e
+        if error is not None:
+            raise error
+        empty = xxhash.xxh3_128_hexdigest(b"")
+        return self.arrays, {name: digests.get(name, empty) for name in self.arrays}

@@ -1,0 +1,134 @@
+"""promptstore's reading threads (snapshots/reader.py) on their own: the arrays
+and digests of a file whatever its chunking and grouping, a file that ends
+early, the descriptor closed once the reads end, and a device failure that
+hands the file to MLX's loader instead of calling the file bad."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import mlx.core as mx
+import pytest
+import xxhash
+
+from promptstore.errors import ColdFileError
+from promptstore.identity import NodeId
+from promptstore.snapshots import cold, device, reader
+from promptstore.snapshots.cold import ColdTier
+from promptstore.snapshots.safetensors_header import header_of_fd, open_regular
+
+from .test_cold import KEY, NS, _family_snapshots, put, same, span
+
+
+def _arrays() -> dict[str, mx.array]:
+    mx.random.seed(3)
+    return {
+        "bf16": mx.random.normal((3, 5, 7)).astype(mx.bfloat16),
+        "f32": mx.random.normal((2, 1000)),
+        "f16": mx.random.normal((33,)).astype(mx.float16),
+        "u32": mx.random.randint(0, 2**31, (17, 3)).astype(mx.uint32),
+        "i64": mx.arange(11, dtype=mx.int64),
+        "bool": mx.array([True, False, True]),
+        "empty": mx.zeros((0, 4)),
+        "u8": mx.array(list(range(256)), dtype=mx.uint8),
+    }
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _settled(expected: int, seconds: float = 2.0) -> int:
+    """The open descriptors once the reads' last callback ran (bounded wait)."""
+    deadline = time.monotonic() + seconds
+    while _open_fds() != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _open_fds()
+
+
+@pytest.fixture
+def written(tmp_path):
+    path = tmp_path / "arrays.safetensors"
+    arrays = _arrays()
+    mx.save_safetensors(str(path), arrays)
+    return path, arrays
+
+
+@pytest.mark.parametrize("chunk", [7, 1000, 4 << 20])
+@pytest.mark.parametrize("block", [1, 5000, 1 << 30])
+def test_every_array_and_digest_whatever_the_chunks_and_blocks(written, monkeypatch, chunk, block):
+    path, arrays = written
+    monkeypatch.setattr(reader, "CHUNK", chunk)
+    monkeypatch.setattr(reader, "BLOCK_BYTES", block)
+    before = _open_fds()
+    fd = open_regular(path)
+    tensors, _, base = header_of_fd(fd)
+    got, digests = reader.FileRead(fd, tensors, base, reader.HostWrites()).result()
+    assert set(got) == set(arrays) == set(digests)
+    for name, a in arrays.items():
+        assert got[name].dtype == a.dtype and got[name].shape == a.shape
+        assert mx.array_equal(got[name], a).item(), name
+        assert digests[name] == xxhash.xxh3_128_hexdigest(memoryview(mx.contiguous(a))), name
+    assert _settled(before) == before  # the file's descriptor is closed
+
+
+def test_a_file_that_ends_early_raises_short_read_and_closes(written, monkeypatch):
+    path, _ = written
+    monkeypatch.setattr(reader, "CHUNK", 64)
+    before = _open_fds()
+    fd = open_regular(path)
+    tensors, _, base = header_of_fd(fd)
+    os.truncate(path, os.path.getsize(path) - 10)  # after the header was checked
+    read = reader.FileRead(fd, tensors, base, reader.HostWrites())
+    with pytest.raises(reader.ShortRead):
+        read.result()
+    assert _settled(before) == before
+
+
+class _DeviceFails(reader.HostWrites):
+    """A placement whose copies the device refuses (as a CUDA runtime error would)."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def allocate(self, specs):
+        if self.where == "allocate":
+            raise device.CudaError("cudaHostAlloc failed (CUDA error 2)")
+        return super().allocate(specs)
+
+    def read(self, fd, offset, nbytes, view):
+        if self.where == "read":
+            raise device.CudaError("cudaMemcpyAsync failed (CUDA error 700)")
+        return super().read(fd, offset, nbytes, view)
+
+
+@pytest.mark.parametrize("where", ["allocate", "read"])
+def test_a_device_failure_hands_the_file_to_mlx_s_loader(tmp_path, monkeypatch, caplog, where):
+    """Not the file's fault: the same verified snapshots, nothing quarantined."""
+    monkeypatch.setattr(cold, "PARALLEL_READS", True)
+    monkeypatch.setattr(reader, "destination", lambda: _DeviceFails(where))
+    tier = ColdTier(tmp_path / "cold")
+    snaps = _family_snapshots("llama")
+    ref = put(tier, snaps)
+    start, end = span(snaps)
+    got = tier.load(ref.path, NodeId(KEY, NS, start, end))
+    assert same(got, snaps)
+    assert "MLX's loader reads it" in caplog.text
+    assert not list((tmp_path / "cold" / "quarantine").iterdir())
+
+
+def test_a_damaged_array_read_by_the_threads_is_a_checksum_miss(tmp_path, monkeypatch):
+    monkeypatch.setattr(cold, "PARALLEL_READS", True)
+    monkeypatch.setattr(reader, "CHUNK", 1000)
+    tier = ColdTier(tmp_path / "cold")
+    snaps = _family_snapshots("llama")
+    ref = put(tier, snaps)
+    path = tier.root / ref.path
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x40
+    path.write_bytes(bytes(raw))
+    start, end = span(snaps)
+    with pytest.raises(ColdFileError) as info:
+        tier.load(ref.path, NodeId(KEY, NS, start, end))
+    assert info.value.reason == "checksum"
