@@ -317,7 +317,9 @@ PARALLEL_READS: bool | None = None
 
 
 def parallel_reads() -> bool:
-    return device.runtime() is not None if PARALLEL_READS is None else PARALLEL_READS
+    if PARALLEL_READS is not None:
+        return PARALLEL_READS
+    return reader.failed is None and device.runtime() is not None
 
 
 def _close_quietly(fd: int) -> None:

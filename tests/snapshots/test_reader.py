@@ -132,3 +132,36 @@ def test_a_damaged_array_read_by_the_threads_is_a_checksum_miss(tmp_path, monkey
     with pytest.raises(ColdFileError) as info:
         tier.load(ref.path, NodeId(KEY, NS, start, end))
     assert info.value.reason == "checksum"
+
+
+class _LandsElsewhere(reader.HostWrites):
+    """Reads and hashes the file's bytes right, but they never reach the arrays
+    (as copies to a wrong address would): the digests alone cannot tell."""
+
+    def read(self, fd, offset, nbytes, view):
+        return super().read(fd, offset, nbytes, memoryview(bytearray(nbytes)))
+
+
+def test_copies_that_land_elsewhere_are_caught_and_mlx_s_loader_reads(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cold, "PARALLEL_READS", True)
+    monkeypatch.setattr(reader, "failed", None)
+    monkeypatch.setattr(reader, "destination", lambda: _LandsElsewhere())
+    tier = ColdTier(tmp_path / "cold")
+    snaps = _family_snapshots("llama")
+    ref = put(tier, snaps)
+    start, end = span(snaps)
+    assert same(tier.load(ref.path, NodeId(KEY, NS, start, end)), snaps)
+    assert reader.failed and "differ from the file's" in caplog.text
+    assert not list((tmp_path / "cold" / "quarantine").iterdir())
+
+
+def test_the_ends_read_back_match_for_every_chunking(written, monkeypatch):
+    """The bytes an array's reads keep of its two ends are the array's own, however
+    the chunks fall (a last chunk shorter than the ends included)."""
+    path, arrays = written
+    for chunk in (3, 16, 17, 1000):
+        monkeypatch.setattr(reader, "CHUNK", chunk)
+        fd = open_regular(path)
+        tensors, _, base = header_of_fd(fd)
+        got, _ = reader.FileRead(fd, tensors, base, reader.HostWrites()).result()  # checks the ends itself
+        assert set(got) == set(arrays)
