@@ -365,19 +365,18 @@ class _Replies:
             raise InvalidResponse(f"{len(self.ahead)} bytes past the last reply")
 
     def _recv(self, n: int) -> bytes:
-        try:
-            data = self.sock.recv(n)
-        except TimeoutError:
-            raise redis.TimeoutError("timeout reading from the server") from None
-        if not data:
-            raise redis.ConnectionError("the server closed the connection")
-        return data
+        return self._read(self.sock.recv, n, "the server closed the connection")
 
     def _recv_into(self, view: memoryview) -> int:
+        return self._read(self.sock.recv_into, view, "the server closed the connection mid-value")
+
+    @staticmethod
+    def _read(call, arg, closed: str):
+        """A socket read, its timeout and an empty read as redis-py's errors."""
         try:
-            got = self.sock.recv_into(view)
+            got = call(arg)
         except TimeoutError:
             raise redis.TimeoutError("timeout reading from the server") from None
         if not got:
-            raise redis.ConnectionError("the server closed the connection mid-value")
+            raise redis.ConnectionError(closed)
         return got
