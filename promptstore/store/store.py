@@ -89,6 +89,10 @@ class PromptStore:
         namespaces: keys of the namespaces to warm (default: all; a Space's is
             `space.namespace.key`). Returns the running Warmer (`wait()`,
             `progress()`, `stop()`); one already running is returned as it is.
+
+        On CUDA, `wait()` for it before making the model: a warm start still
+        reading while the weights were made has left later batches over its
+        caches several times slower (docs/cold.md, "Warm start").
         """
         if self.warming is None or not self.warming.running:
             budget = self.settings.hot_bytes if budget is None else budget

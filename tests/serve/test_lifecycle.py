@@ -121,8 +121,14 @@ def test_sigterm_during_the_warm_start_closes_the_store_cleanly(serve, model_dir
     model = model_dir("llama")
     store = tmp_path / "store"
     _fill(model, store, nodes=1500, tokens=64)  # many small files: a warm start of a second or more
-    server = Server(model, store, tmp_path / "warming.log", "--model-id", "m")
     cmd_started = time.monotonic()
+    _sigterm_while_warming(Server(model, store, tmp_path / "warming.log", "--model-id", "m"))
+    assert time.monotonic() - cmd_started < 60
+
+
+def _sigterm_while_warming(server) -> None:
+    """Start `server`, signal it once its warm start reads, and check it closed
+    cleanly with the warm start stopped (the signal came while it was reading)."""
     server.launch()
     try:
         assert _wait_for(server, "warm start: reading")
@@ -132,9 +138,35 @@ def test_sigterm_during_the_warm_start_closes_the_store_cleanly(serve, model_dir
         server.kill()
     log = server.log()
     assert "store closed" in log and "Traceback" not in log, log[-3000:]
-    assert "(stopped)" in log, log[-3000:]  # the signal came while it was reading
-    assert time.monotonic() - cmd_started < 60
-    assert store_problems(store) == {}
+    assert "(stopped)" in log, log[-3000:]
+    assert store_problems(server.store) == {}
+
+
+def test_warm_start_first_loads_the_model_after_it_and_a_sigterm_meanwhile_closes_cleanly(serve, model_dir, tmp_path):
+    """--warm-start-first (the default with CUDA): the model loads once the warm
+    start is done; a signal while the model waits for it still ends the server."""
+    model = model_dir("llama")
+    store = tmp_path / "store"
+    _fill(model, store, nodes=5000, tokens=64)  # a warm start of seconds: the model still waits for it
+    _sigterm_while_warming(Server(model, store, tmp_path / "first.log", "--model-id", "m", "--warm-start-first"))
+
+    # A store of real turns (the one above holds random KV): the model loads after
+    # the warm start, and the next turn is a hit from memory.
+    server = serve(model, store=tmp_path / "chats")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    text, _, _ = chat(server.client(), messages)
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": QUESTIONS[1]}]
+    assert "before the model loads" not in server.log()  # off by default without CUDA
+    assert server.stop() == 0
+
+    server = serve(model, "--warm-start-first", store=tmp_path / "chats")  # returns once healthy
+    log = server.log()
+    assert log.index("warm start finished before the model loads") < log.index("kernel warm-up: a batch of"), log
+    _, ids, _ = chat(server.client(), messages)
+    assert ids == reference_reply(model, messages, 12)
+    served = [line for line in server.log().splitlines() if "request (public)" in line][-1]
+    assert "(0 from disk, memory)" in served, served
+    assert server.stop() == 0
 
 
 def _fill(model, store, nodes: int, tokens: int) -> None:
