@@ -1,0 +1,169 @@
+"""Probe: why is a fresh process's first batch over 5k-token caches slow?
+
+python3 tools/bench/probe_first_batch.py MODE [--warm-prefix N]   (one fresh process per call)
+MODE sdpa: time SDPA calls of the shapes the first round meets, first vs repeat vs a new length.
+MODE batch: 4 caches of L tokens (filled without attention), optional warm-up, then three
+            BatchGenerator batches of 19 new tokens, each timed to its first tokens.
+Options of batch: --warm-prefix N (the server's kernel warm-up first, with N-token prefixes),
+--digest (the weights digest the server makes without --model-id), --clear (mx.clear_cache() after it).
+Llama-3.1-8B's shape with random bfloat16 weights; PROBE_SMALL=1 makes it 2 small layers (a smoke run).
+Figures from it are in bench-results/probe-*.log; it times, it asserts nothing.
+"""
+
+import json
+import os
+import sys
+import time
+
+import mlx.core as mx
+
+sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_serve import PROFILES  # noqa: E402
+from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from promptstore.serve import warmup  # noqa: E402
+from promptstore.testing import tiny_model  # noqa: E402
+
+MODEL = dict(PROFILES["cuda"]["model"])  # what bench_serve.py --profile cuda serves
+VOCAB = 1024
+if os.environ.get("PROBE_SMALL"):
+    MODEL.update(num_hidden_layers=2, hidden_size=256, num_attention_heads=8, intermediate_size=512, head_dim=128)
+out = {"mode": sys.argv[1], "argv": sys.argv[1:], "env_cudnn": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA")}
+
+
+def t(fn):
+    mx.synchronize()
+    a = time.perf_counter()
+    r = fn()
+    mx.eval(r)
+    mx.synchronize()
+    return round((time.perf_counter() - a) * 1000, 2)
+
+
+def sdpa():
+    B, H, KH, D = 4, 32, 8, 128
+    res = {}
+    for name, q_len, kv_len, cap in [
+        ("prefill19_kv5120_mask", 19, 5120, None),
+        ("prefill19_kv5120_mask_again", 19, 5120, None),
+        ("prefill19_kv5157_mask", 19, 5157, None),
+        ("prefill19_kv5200_causal", 19, 5200, None),
+        ("prefill19_kv5230_causal", 19, 5230, None),
+        ("decode_kv5140_slice", 1, 5140, 5376),
+        ("decode_kv5140_slice_again", 1, 5140, 5376),
+        ("decode_kv5141_slice", 1, 5141, 5376),
+        ("decode_kv5400_slice", 1, 5400, 5632),
+        ("prefill19_kv60_mask", 19, 60, None),
+        ("decode_kv70_slice", 1, 70, 256),
+    ]:
+        q = mx.random.normal((B, H, q_len, D)).astype(mx.bfloat16)
+        if cap:
+            kb = mx.random.normal((B, KH, cap, D)).astype(mx.bfloat16)
+            vb = mx.random.normal((B, KH, cap, D)).astype(mx.bfloat16)
+            mx.eval(kb, vb)
+            k, v = kb[..., :kv_len, :], vb[..., :kv_len, :]
+        else:
+            k = mx.random.normal((B, KH, kv_len, D)).astype(mx.bfloat16)
+            v = mx.random.normal((B, KH, kv_len, D)).astype(mx.bfloat16)
+        mx.eval(q, k, v)
+        if "mask" in name:
+            m = mx.ones((B, 1, q_len, kv_len), mx.bool_)
+            mx.eval(m)
+            fn = lambda q=q, k=k, v=v, m=m: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088, mask=m)  # noqa: E731
+        elif "causal" in name:
+            fn = lambda q=q, k=k, v=v: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088, mask="causal")  # noqa: E731
+        else:
+            fn = lambda q=q, k=k, v=v: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088)  # noqa: E731
+        res[name] = [t(fn), t(fn)]
+        print(name, res[name], flush=True)
+    out["sdpa_ms_first_second"] = res
+
+
+def caches_of(model, lengths, seed):
+    caches, prefixes = [], []
+    for b, n in enumerate(lengths):
+        cache = make_prompt_cache(model)
+        for c in cache:
+            kk = mx.random.normal((1, 8, n, 128), key=mx.random.key(seed + b)).astype(mx.bfloat16) * 0.1
+            c.update_and_fetch(kk, kk)
+        mx.eval([c.state for c in cache])
+        caches.append(cache)
+        prefixes.append([1 + (i * 31 + b) % (VOCAB - 1) for i in range(n)])
+    return caches, prefixes
+
+
+def step_batch(model, caches, prefixes, segments) -> dict:
+    """mlx-lm's BatchGenerator over these caches until every prompt has 3 tokens:
+    each prompt's time to its first token, and each step's time (synchronised)."""
+    gen = BatchGenerator(
+        model,
+        completion_batch_size=4,
+        prefill_batch_size=4,
+        prefill_step_size=2048,
+        stream=mx.default_stream(mx.default_device()),
+    )
+    steps, first = [], {}
+    mx.synchronize()
+    started = time.perf_counter()
+    try:
+        n = len(caches)
+        uids = gen.insert_segments(segments=segments, max_tokens=[3] * n, caches=caches, all_tokens=prefixes)
+        done = set()
+        for _ in range(64):
+            a = time.perf_counter()
+            _, responses = gen.next()
+            mx.synchronize()
+            steps.append(round((time.perf_counter() - a) * 1000, 1))
+            now = round((time.perf_counter() - started) * 1000, 1)
+            for r in responses:
+                first.setdefault(r.uid, now)
+                if r.finish_reason is not None:
+                    done.add(r.uid)
+            if done >= set(uids):
+                break
+    finally:
+        gen.close()
+    return {"first_token_ms": sorted(first.values()), "steps_ms": steps}
+
+
+def batch(model, lengths, seed):
+    caches, prefixes = caches_of(model, lengths, seed)
+    segments = [[[1 + (seed * 7 + i * 13 + b) % (VOCAB - 1) for i in range(19)]] for b in range(len(lengths))]
+    return step_batch(model, caches, prefixes, segments)
+
+
+def main():
+    mode = sys.argv[1]
+    if mode == "sdpa":
+        sdpa()
+    else:
+        warm_prefix = int(sys.argv[sys.argv.index("--warm-prefix") + 1]) if "--warm-prefix" in sys.argv else 0
+        a = time.perf_counter()
+        model = tiny_model("llama", seed=0, dtype=mx.bfloat16, vocab_size=VOCAB, **MODEL)
+        mx.eval(model.parameters())
+        out["model_s"] = round(time.perf_counter() - a, 1)
+        if "--digest" in sys.argv:
+            from promptstore.store.space import weights_digest
+
+            a = time.perf_counter()
+            weights_digest(model)
+            out["digest_s"] = round(time.perf_counter() - a, 1)
+            out["cache_after_digest_gb"] = round(mx.get_cache_memory() / 1e9, 2)
+        if "--clear" in sys.argv:
+            mx.clear_cache()
+        if warm_prefix:
+            warmup.PREFIX_TOKENS = warm_prefix
+            out["warm_up_s"] = round(warmup.warm_up(model, VOCAB, 4, prefill_batch_size=4, prefill_step_size=2048), 3)
+        runs = []
+        for i, base in enumerate([5096, 5170, 5245]):
+            r = batch(model, [base + d for d in (0, 2, 5, 1)], 100 * i)
+            runs.append(r)
+            print(i, r, flush=True)
+        out["batches"] = runs
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
