@@ -2,6 +2,13 @@
 
 python3 tools/bench/probe_warm_start.py fill DIR; then, each in a fresh process:
 python3 tools/bench/probe_warm_start.py restart DIR [--copy] [--no-warm-start] [--prebuild] [--serial]
+
+fill stores four 5.1k-token conversations (a shared 1,900-token system prompt) of Llama-3.1-8B's shape
+with random bfloat16 weights. restart opens the store and starts its warm start, makes the model, runs
+the server's kernel warm-up, then steps three batches of 4 x 19 new tokens over hits from memory, each
+timed to its first tokens. --serial: the warm start finishes before the model is made; --copy: every
+hit's arrays are copied before its batch; --no-warm-start: the hits are read at fetch; --prebuild: the
+reading threads' address kernel is built before the warm start. It times; it asserts nothing.
 """
 
 import json
