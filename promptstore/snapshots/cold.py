@@ -252,15 +252,19 @@ class PendingLoad:
                     self.read = reader.FileRead(fd, self.header, base)  # closes fd when its reads end
                     return
                 except Exception as e:  # the device or MLX, not the file: MLX's loader reads it
-                    self.read = None
-                    log.warning("%s: promptstore's reader failed (%s); MLX's loader reads it", rel, e)
-                    return self._mlx_load()
+                    return self._reader_failed(e)
             os.close(fd)
             self._mlx_load()
         except ColdFileError as e:
             if self.read is None:
                 _close_quietly(fd)
             self.error = e
+
+    def _reader_failed(self, e: Exception) -> None:
+        """The reading threads failed for a reason not the file's: MLX's loader reads it."""
+        self.read = None
+        log.warning("%s: promptstore's reader failed (%s); MLX's loader reads it", self.rel, e)
+        self._mlx_load()
 
     def _mlx_load(self) -> None:
         try:
@@ -294,8 +298,7 @@ class PendingLoad:
             except OSError as e:  # the file, as the reading threads met it (ShortRead included)
                 raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
             except Exception as e:  # the device or MLX, not the file
-                log.warning("%s: promptstore's reader failed (%s); MLX's loader reads it", rel, e)
-                self._mlx_load()
+                self._reader_failed(e)
                 if self.error is not None:
                     raise self.error from None
         if sums is None:

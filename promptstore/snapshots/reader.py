@@ -32,6 +32,7 @@ import mlx.core as mx
 import xxhash
 
 from . import device
+from .safetensors_writer import DTYPE_NAMES
 
 log = logging.getLogger("promptstore.snapshots")
 
@@ -39,20 +40,7 @@ CHUNK = 4 << 20  # bytes read, hashed and copied at a time
 THREADS = max(2, min(16, os.cpu_count() or 1))
 BLOCK_BYTES = 1 << 30  # arrays allocated as one block (a dimension of MLX holds under 2 GiB)
 
-MLX_DTYPES = {
-    "BOOL": mx.bool_,
-    "U8": mx.uint8,
-    "I8": mx.int8,
-    "U16": mx.uint16,
-    "I16": mx.int16,
-    "F16": mx.float16,
-    "BF16": mx.bfloat16,
-    "U32": mx.uint32,
-    "I32": mx.int32,
-    "F32": mx.float32,
-    "U64": mx.uint64,
-    "I64": mx.int64,
-}
+MLX_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # safetensors dtype -> MLX
 
 
 class ShortRead(OSError):

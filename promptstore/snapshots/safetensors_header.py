@@ -45,9 +45,12 @@ def open_regular(path: str | os.PathLike) -> int:
     through a symlink); else ValueError. O_NONBLOCK: a FIFO or device put in
     place of a file must not hang the reader."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+    except BaseException:
         os.close(fd)
-        raise ValueError("not a regular file")
+        raise
     return fd
 
 
