@@ -1,6 +1,29 @@
-"""Reading the GPU runtime's libraries at start: which files, and a bounded read."""
+"""What a server does at start for its first requests: which attention kernels
+MLX uses on CUDA; reading the GPU runtime's libraries (which files, a bounded read)."""
 
+import pytest
+
+from promptstore.serve import server
+from promptstore.serve.options import build_parser
 from promptstore.serve.warmup import read_libraries, runtime_libraries
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_attention_kernels_on_cuda_are_mlx_own_unless_the_operator_chose(monkeypatch, cuda):
+    monkeypatch.setattr(server.device, "CUDA", cuda)
+    parse = lambda *flags: build_parser().parse_args(["--model", "m", *flags]).cudnn_attention  # noqa: E731
+    assert (parse(), parse("--cudnn-attention"), parse("--no-cudnn-attention")) == (None, True, False)
+    env: dict[str, str] = {}
+    server.attention_kernels(None, env)
+    assert env == ({"MLX_CUDA_USE_CUDNN_SDPA": "0"} if cuda else {})  # nothing changes off CUDA
+    for set_by_operator in ("0", "1"):
+        env = {"MLX_CUDA_USE_CUDNN_SDPA": set_by_operator}
+        server.attention_kernels(None, env)
+        assert env == {"MLX_CUDA_USE_CUDNN_SDPA": set_by_operator}
+    for flag, value in ((True, "1"), (False, "0")):  # the option wins over the variable
+        env = {"MLX_CUDA_USE_CUDNN_SDPA": "1" if value == "0" else "0"}
+        server.attention_kernels(flag, env)
+        assert env == {"MLX_CUDA_USE_CUDNN_SDPA": value}
 
 
 def _maps(tmp_path, *paths) -> str:

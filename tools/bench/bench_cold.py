@@ -483,12 +483,17 @@ def main(argv=None) -> int:
                         help="how to drop the page cache: the whole machine's /proc/sys/vm/drop_caches when "
                         "writable (root), else posix_fadvise(DONTNEED) on the store's files")  # fmt: skip
     parser.add_argument("--prefixes", help="comma-separated prefix lengths (default: the profile's)")
+    parser.add_argument(
+        "--short-runs", type=int, help="runs of each path at the shorter prefixes (default: the profile's)"
+    )
     parser.add_argument("--dir", help="where the stores go (default: a temporary directory)")
     parser.add_argument("--out", help="JSON path (default bench-results/cold-<profile>.json)")
     args = parser.parse_args(argv)
     p = PROFILES[args.profile]
     if args.prefixes:
         p = Profile(**{**asdict(p), "prefixes": tuple(int(x) for x in args.prefixes.split(","))})
+    if args.short_runs:
+        p = Profile(**{**asdict(p), "short_runs": args.short_runs})
     drop = args.drop
     if drop == "auto":
         drop = "drop_caches" if os.access("/proc/sys/vm/drop_caches", os.W_OK) else "fadvise"

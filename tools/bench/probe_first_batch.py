@@ -4,6 +4,9 @@ python3 tools/bench/probe_first_batch.py MODE [--warm-prefix N]   (one fresh pro
 MODE sdpa: time SDPA calls of the shapes the first round meets, first vs repeat vs a new length.
 MODE batch: 4 caches of L tokens (filled without attention), optional warm-up, then three
             BatchGenerator batches of 19 new tokens, each timed to its first tokens.
+MODE prefill: one request's prefill of 4.8k, 8k and 32k tokens in 2,048-token steps, twice each (the
+            first run meets new shapes); then eight chat turns of 50-57 tokens over a 5k-token cache,
+            each a new key length. Run it with and without MLX_CUDA_USE_CUDNN_SDPA=0.
 Options of batch: --warm-prefix N (the server's kernel warm-up first, with N-token prefixes),
 --digest (the weights digest the server makes without --model-id), --clear (mx.clear_cache() after it).
 Llama-3.1-8B's shape with random bfloat16 weights; PROBE_SMALL=1 makes it 2 small layers (a smoke run).
@@ -134,10 +137,40 @@ def batch(model, lengths, seed):
     return step_batch(model, caches, prefixes, segments)
 
 
+def prefill_mode():
+    model = tiny_model("llama", seed=0, dtype=mx.bfloat16, vocab_size=VOCAB, **MODEL)
+    mx.eval(model.parameters())
+    tokens = [1 + (i * 7919) % (VOCAB - 1) for i in range(32768 + 512)]
+
+    def run(n, cache):
+        for lo in range(0, n, 2048):
+            model(mx.array(tokens[lo : min(lo + 2048, n)])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        return mx.argmax(model(mx.array(tokens[n : n + 1])[None], cache=cache)[0, -1])
+
+    res = {}
+    for n in (4800, 8192, 32768) if not os.environ.get("PROBE_SMALL") else (300, 600):
+        res[f"prefill_{n}_ms"] = [t(lambda n=n: run(n, make_prompt_cache(model))) for _ in range(2)]
+        print(n, res[f"prefill_{n}_ms"], flush=True)
+    cache = make_prompt_cache(model)
+    start = 5000 if not os.environ.get("PROBE_SMALL") else 500
+    run(start, cache)
+    turns, pos = [], start
+    for i in range(8):
+        n = 50 + i
+        turns.append(t(lambda lo=pos, n=n: model(mx.array(tokens[lo : lo + n])[None], cache=cache)))
+        pos += n
+    res["turns_ms"] = turns
+    print("turns", turns, flush=True)
+    out["prefill"] = res
+
+
 def main():
     mode = sys.argv[1]
     if mode == "sdpa":
         sdpa()
+    elif mode == "prefill":
+        prefill_mode()
     else:
         warm_prefix = int(sys.argv[sys.argv.index("--warm-prefix") + 1]) if "--warm-prefix" in sys.argv else 0
         a = time.perf_counter()
