@@ -26,6 +26,7 @@ from ..errors import PromptStoreError, ServeRequestError
 from ..snapshots import device
 from ..store import PromptStore
 from . import apis
+from .arrivals import ArrivalBudget, Arrivals
 from .cache import StoreCache, split_segments
 from .metrics import HitFigures, MetricsAccess, ServeMetrics, load_metrics_key
 from .options import build_parser, store_settings
@@ -47,6 +48,7 @@ class StoreRequest(mlx_server.CompletionRequest):
     tenant: Tenant = PUBLIC
     timeline: dict = field(default_factory=dict)
     rendered: Rendered | None = None
+    arrival: int | None = None  # its token in Arrivals until it is queued
 
 
 @dataclass
@@ -137,40 +139,15 @@ class StoreModelProvider(mlx_server.ModelProvider):
         log.info("kernel warm-up: a batch of %d in %.2f s", batch, seconds)
 
 
-class ArrivalBudget:
-    """mlx_lm.server's time budget for a run of batch steps (0.5 s, during which
-    no new request joins the batch), ended early once a request is waiting, so a
-    request that arrives while a batch runs joins it after one step, not after
-    the budget. At least one step runs each time, so a waiting request that
-    cannot join (the batch drains first) never stops the batch's progress.
-    Distributed runs keep mlx-lm's budget: every rank must take the same steps."""
-
-    def __init__(self, budget, requests):
-        self.budget, self.requests = budget, requests
-        self.distributed = mx.distributed.init().size() > 1
-        self.steps = 0
-
-    def __iter__(self):
-        if self.distributed:
-            return iter(self.budget)
-        iter(self.budget)  # starts mlx-lm's clock
-        self.steps = 0
-        return self
-
-    def __next__(self):
-        if self.steps > 0 and not self.requests.empty():
-            raise StopIteration
-        self.steps += 1
-        return next(self.budget)
-
-
 class StoreResponseGenerator(mlx_server.ResponseGenerator):
-    """mlx-lm's generation loop; tokenizing also tracks the request and fetches;
-    a waiting request interrupts a run of batch steps (ArrivalBudget)."""
+    """mlx-lm's generation loop; tokenizing also tracks the request, fetches, and
+    waits for requests being checked to join it (Arrivals); a waiting request
+    interrupts a run of batch steps (ArrivalBudget)."""
 
     def __init__(self, provider: StoreModelProvider, cache: StoreCache, keyring: KeyRing):
         # Set before super().__init__, which starts the generation thread.
         self.store_cache, self.keyring = cache, keyring
+        self.arrivals = Arrivals()
         args = provider.cli_args
         self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
         self.metrics_access = MetricsAccess(args.metrics, getattr(args, "metrics_key", None), keyring)
@@ -243,6 +220,8 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         timeline["fetch"] = time.perf_counter()
         tracked, checkpoints = self.store_cache.begin(tenant, prompt, chat, ends, cacheable=vision is None)
         timeline["fetched"] = time.perf_counter()
+        self.arrivals.gather()  # a burst's other requests, still being checked, prefill with this one
+        timeline["gathered"] = time.perf_counter()
         hit = self.store_cache.last_hit
         timeline["restored"] = HitFigures.of(hit)  # for /metrics, when the request ends
         timeline["matched"] = hit.matched if hit is not None else 0  # held by the store (apis' usage)
@@ -306,6 +285,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         timeline = getattr(request, "timeline", {})
         timeline.setdefault("received", time.perf_counter())
         timeline["queued"] = time.perf_counter()
+        self.arrivals.queued(getattr(request, "arrival", None))
         ctx, responses = super().generate(request, generation_args, progress_callback)
         return ctx, self._logged(request, ctx, responses, timeline)
 
@@ -341,11 +321,12 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
 def request_phases(timeline: dict, busy_between) -> dict[str, float]:
     """A request's timeline as milliseconds per phase (those it reached): checking
     the prompt (HTTP thread), waiting for the generation thread, rendering and
-    tokenizing, the store's fetch, then prefill and the first token; `store_ms`
+    tokenizing, the store's fetch, waiting for requests being checked beside
+    it (Arrivals), then prefill and the first token; `store_ms`
     is the generation thread's time in store calls (fetches, inserts) between
     arrival and the first token, this request's own fetch included."""
-    marks = ["received", "checked", "queued", "tokenize", "fetch", "fetched", "first"]
-    names = ["check_ms", "handoff_ms", "queue_ms", "template_ms", "fetch_ms", "prefill_first_ms"]
+    marks = ["received", "checked", "queued", "tokenize", "fetch", "fetched", "gathered", "first"]
+    names = ["check_ms", "handoff_ms", "queue_ms", "template_ms", "fetch_ms", "gather_ms", "prefill_first_ms"]
     out = {}
     for (a, b), name in zip(zip(marks, marks[1:]), names):
         if a in timeline and b in timeline:
@@ -466,9 +447,11 @@ class StoreHandler(mlx_server.APIHandler):
         if not provider.served(self.requested_model, self.adapter, self.requested_draft_model):
             message = f"model {self.requested_model!r} not served: this server serves {provider.public_id!r}"
             raise ServeRequestError(message, status=404, param="model")
-        rendered = self.response_generator.check_prompt(request, self.chat_template_kwargs)
+        with self.response_generator.arrivals.checking() as arrival:
+            rendered = self.response_generator.check_prompt(request, self.chat_template_kwargs)
         timeline = {"received": received, "checked": time.perf_counter()}
-        return StoreRequest(**vars(request), tenant=self.tenant, timeline=timeline, rendered=rendered)
+        extra = {"tenant": self.tenant, "timeline": timeline, "rendered": rendered, "arrival": arrival}
+        return StoreRequest(**vars(request), **extra)
 
 
 def run(args, cache: StoreCache, keyring: KeyRing) -> StoreResponseGenerator:

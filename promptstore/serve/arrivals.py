@@ -1,0 +1,107 @@
+"""When requests reach the generation thread, and when they join a batch.
+
+mlx_lm.server renders and tokenizes a request on its generation thread, so
+requests that arrive together are all in its queue by the time it has
+tokenized the first, and they prefill as one batch. promptstore serve renders
+and checks prompts on the HTTP threads, before a request is queued (a bad
+prompt is refused and nothing waits for it); so the first of a burst reaches
+the queue alone. `Arrivals` lets the generation thread, as it takes a request,
+wait briefly for the requests being checked at that moment, so a burst still
+prefills together; `ArrivalBudget` lets a request that arrives while a batch
+runs join it after one step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+GATHER_S = 0.25  # the longest the generation thread waits for requests being checked
+STALE_S = 2.0  # a check older than this is not waited for (its request may never be queued)
+
+
+class Arrivals:
+    """Requests admitted on HTTP threads and not yet queued for the generation thread.
+
+    An HTTP thread holds `checking()` while it renders and checks a prompt and
+    calls `queued(token)` as it hands the request on (a check that fails
+    releases its token itself). `gather()`, on the generation thread, waits
+    until every request being checked when it was called is queued or failed,
+    at most `bound` seconds; requests that arrive meanwhile are not waited for.
+    """
+
+    def __init__(self, bound: float = GATHER_S, stale: float = STALE_S):
+        self.bound, self.stale = bound, stale
+        self._changed = threading.Condition()
+        self._pending: dict[int, float] = {}  # token -> when its check began (monotonic)
+        self._next = 0
+
+    @contextmanager
+    def checking(self):
+        """Around an admission on an HTTP thread; yields the token to queue."""
+        with self._changed:
+            token, self._next = self._next, self._next + 1
+            self._pending[token] = time.monotonic()
+        try:
+            yield token
+        except BaseException:
+            self.queued(token)  # refused: nothing will be queued
+            raise
+
+    def queued(self, token: int | None) -> None:
+        """The request of `token` is being put on the generation thread's queue (or never will be)."""
+        if token is None:
+            return
+        with self._changed:
+            if self._pending.pop(token, None) is not None:
+                self._changed.notify_all()
+
+    @property
+    def pending(self) -> int:
+        with self._changed:
+            return len(self._pending)
+
+    def gather(self) -> float:
+        """Wait for the requests being checked now to be queued; returns the seconds waited."""
+        started = time.monotonic()
+        deadline = started + self.bound
+        with self._changed:
+            for token in [t for t, since in self._pending.items() if started - since > self.stale]:
+                del self._pending[token]  # its handler never queued it (an error between admission and queue)
+            waiting = set(self._pending)
+            while waiting.intersection(self._pending):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+        return time.monotonic() - started
+
+
+class ArrivalBudget:
+    """mlx_lm.server's time budget for a run of batch steps (0.5 s, during which
+    no new request joins the batch), ended early once a request is waiting, so a
+    request that arrives while a batch runs joins it after one step, not after
+    the budget. At least one step runs each time, so a waiting request that
+    cannot join (the batch drains first) never stops the batch's progress.
+    Distributed runs keep mlx-lm's budget: every rank must take the same steps."""
+
+    def __init__(self, budget, requests):
+        self.budget, self.requests = budget, requests
+        self.distributed = mx.distributed.init().size() > 1
+        self.steps = 0
+
+    def __iter__(self):
+        if self.distributed:
+            return iter(self.budget)
+        iter(self.budget)  # starts mlx-lm's clock
+        self.steps = 0
+        return self
+
+    def __next__(self):
+        if self.steps > 0 and not self.requests.empty():
+            raise StopIteration
+        self.steps += 1
+        return next(self.budget)

@@ -1,0 +1,123 @@
+"""Arrivals: the generation thread, taking a request, waits (bounded) for the
+requests being checked beside it. ArrivalBudget: a run of batch steps ends once
+a request waits, after at least one step."""
+
+import threading
+import time
+from queue import Queue
+
+import pytest
+from mlx_lm.server import TimeBudget
+
+from promptstore.serve.arrivals import ArrivalBudget, Arrivals
+
+
+def test_with_nothing_being_checked_gather_returns_at_once():
+    arrivals = Arrivals(bound=60)
+    arrivals.gather()  # would hang the test for a minute if it waited
+    with arrivals.checking() as token:
+        pass
+    arrivals.queued(token)
+    arrivals.gather()
+    assert arrivals.pending == 0
+
+
+def test_gather_waits_for_the_requests_being_checked_until_each_is_queued():
+    arrivals = Arrivals(bound=60)
+    order, checked = [], threading.Event()
+
+    def http_thread(delay):
+        with arrivals.checking() as token:
+            checked.set()
+            time.sleep(delay)
+        order.append(f"queued after {delay}")
+        arrivals.queued(token)
+
+    threads = [threading.Thread(target=http_thread, args=(d,)) for d in (0.05, 0.1)]
+    for t in threads:
+        t.start()
+    while arrivals.pending < 2:
+        time.sleep(0.001)
+    arrivals.gather()
+    order.append("gathered")
+    for t in threads:
+        t.join(timeout=10)
+    assert order == ["queued after 0.05", "queued after 0.1", "gathered"]
+
+
+def test_a_check_that_fails_releases_its_request_and_a_request_never_queued_bounds_the_wait():
+    arrivals = Arrivals(bound=0.05, stale=60)
+    with pytest.raises(ValueError), arrivals.checking():
+        raise ValueError("a bad prompt")
+    assert arrivals.pending == 0
+    with arrivals.checking():
+        pass  # admitted, then its handler failed before queueing it
+    started = time.monotonic()
+    arrivals.gather()  # returns after its bound
+    assert time.monotonic() - started < 30  # bounded (no timing goal: only that it returns)
+    assert arrivals.pending == 1
+    arrivals.stale = 0.0
+    arrivals.gather()  # forgotten once stale
+    assert arrivals.pending == 0
+
+
+def test_requests_arriving_while_gather_waits_are_not_waited_for():
+    arrivals = Arrivals(bound=60)
+    first = arrivals.checking()
+    token = first.__enter__()
+    late = []
+
+    def later():
+        time.sleep(0.05)
+        late.append(arrivals.checking())  # checked after gather began; never queued
+        late[0].__enter__()
+        time.sleep(0.05)
+        arrivals.queued(token)
+
+    t = threading.Thread(target=later)
+    t.start()
+    arrivals.gather()  # returns once the first is queued, although the late one is still pending
+    t.join(timeout=10)
+    assert late and arrivals.pending == 1
+
+
+def steps(budget, limit=1000, on_step=None) -> int:
+    n = 0
+    for _ in budget:
+        n += 1
+        if on_step is not None:
+            on_step(n)
+        if n >= limit:
+            break
+    return n
+
+
+def test_with_no_request_waiting_the_steps_run_until_mlx_lms_budget_ends():
+    budget = ArrivalBudget(TimeBudget(budget=0.05), Queue())
+    t0 = time.monotonic()
+    n = steps(budget, limit=10**9, on_step=lambda _: time.sleep(0.001))
+    assert n > 1
+    assert time.monotonic() - t0 >= 0.05
+
+
+def test_a_waiting_request_ends_the_run_after_the_step_under_way():
+    requests = Queue()
+    budget = ArrivalBudget(TimeBudget(budget=3600), requests)
+    assert steps(budget, on_step=lambda n: requests.put("r") if n == 3 else None) == 3
+
+
+def test_a_request_already_waiting_still_lets_one_step_run_each_time():
+    requests = Queue()
+    requests.put("cannot join the batch")
+    budget = ArrivalBudget(TimeBudget(budget=3600), requests)
+    assert [steps(budget) for _ in range(3)] == [1, 1, 1]  # the batch progresses while it drains
+
+
+def test_the_generator_wraps_the_budget_mlx_lm_sets():
+    from promptstore.serve.server import StoreResponseGenerator
+
+    gen = StoreResponseGenerator.__new__(StoreResponseGenerator)
+    gen.requests = Queue()
+    gen._time_budget = TimeBudget()
+    assert isinstance(gen._time_budget, ArrivalBudget)
+    assert gen._time_budget.requests is gen.requests
