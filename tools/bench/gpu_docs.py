@@ -1,0 +1,165 @@
+"""The GPU sections of docs/benchmarks.md: the cold tier (bench_cold.py) and a
+server restart (bench_serve.py), rendered from their result files as they
+are, each with the command that made it and its goals as the run judged them."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+# (file, what the run was); the first of each kind is the one the README quotes.
+COLD_RUNS = (
+    ("cold-cuda-run3.json", "third run, a third H100 machine"),
+    ("cold-cuda.json", "second run, a second H100 machine"),
+    ("cold-cuda-run1.json", "first run"),
+)
+SERVE_RUNS = (
+    ("serve-cuda.json", "promptstore serve on MLX's own attention kernels, its default on CUDA"),
+    ("serve-cuda-cudnn.json", "both servers on cuDNN's attention kernels, MLX's default"),
+    ("serve-cuda-nocudnn.json", "both servers on MLX's own attention kernels"),
+)
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.0f} ms" if seconds < 10 else f"{seconds:,.1f} s"
+
+
+def goals_list(goals: list[dict]) -> list[str]:
+    return [
+        f"- {'met' if g['met'] else '**missed**'}: {g['goal']} ({g['value']:.3f}, limit {g['limit']})" for g in goals
+    ]
+
+
+def cold_command(doc: dict) -> str:
+    return f"python3 tools/bench/bench_cold.py --profile {doc['profile']['name']}"
+
+
+def cold_section(name: str, what: str, doc: dict) -> str:
+    p = doc["profile"]
+    lines = [
+        f"### The cold tier: `bench-results/{name}` ({what})",
+        "",
+        f"`{cold_command(doc)}`, {doc['date'][:10]}, {doc['device']}; {p['note']}. "
+        f"Page cache dropped by {doc['page_cache_drop']}. Runs per cell: {p.get('short_runs', p['runs'])} at the shorter "
+        f"prefixes, {p['runs']} at {p['prefixes'][-1]:,} tokens; medians.",
+        "",
+        f"At {doc['prefix_tokens']:,} tokens ({doc['kv_bytes'] / 1e9:.2f} GB of KV):",
+        "",
+        "| path | TTFT | vs full prefill |",
+        "|---|---|---|",
+    ]
+    prefill = doc["prefill_ttft_s"]
+    for label, key in (
+        ("full prefill", "prefill_ttft_s"),
+        ("hot hit", "hot_ttft_s"),
+        ("cold hit, page cache warm", "cold_warm_ttft_s"),
+        ("cold hit, page cache dropped", "cold_disk_ttft_s"),
+    ):
+        lines.append(f"| {label} | {ms(doc[key])} | {doc[key] / prefill:.3f}x |")
+    lim = doc.get("host_limits") or {}
+    lines += [
+        "",
+        f"Restore alone: {doc['restore_gbps_warm']:.1f} GB/s from the page cache, "
+        f"{doc['restore_gbps_dropped']:.2f} GB/s after dropping it; {doc['restore_vs_mx_load']:.2f}x the time of "
+        f"`mx.load` of the same bytes. Write with fsync {doc['write_gbps']:.2f} GB/s "
+        f"({doc['write_gbps_no_fsync']:.2f} without) against mlx-lm's `save_prompt_cache` "
+        f"{doc['mlx_lm_save_gbps']:.2f} GB/s, {doc['mlx_lm_save_fsync_gbps']:.2f} with fsync.",
+    ]
+    if lim:
+        lines.append("The host, measured in the same run: " + ", ".join(f"{k} {v:.2f}" for k, v in lim.items()) + ".")
+    lines += [
+        "",
+        "| prefix | page cache | load | recompute | split | auto | auto vs the best |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    cells: dict[tuple, dict] = {}
+    for c in doc["sweep"]:
+        cells.setdefault((c["prefix"], c["page_cache"]), {})[c["plan"]] = c
+    for (prefix, page), plans in cells.items():
+        best = min(c["ttft_s"] for c in plans.values())
+        row = [f"{prefix:,}", page]
+        for plan in ("load", "recompute", "split", "auto"):
+            c = plans.get(plan)
+            row.append("-" if c is None else f"{ms(c['ttft_s'])} ({'/'.join(c['plans_taken'])})")
+        row.append(f"{plans['auto']['ttft_s'] / best:.2f}x" if "auto" in plans else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        f"First token equal on every path: {doc['first_token_equal_everywhere']}. Goals as the run judged them:",
+        "",
+        *goals_list(doc["goals"]),
+    ]
+    return "\n".join(lines)
+
+
+def serve_command(doc: dict) -> str:
+    w = doc["workload"]
+    flags = [f"--profile {w['profile']}"]
+    flags += ["--drop-page-cache"] if w.get("drop_page_cache") else []
+    flags += ["--skip-generated"] if w.get("skip_generated") else []
+    flags += [] if w.get("warm_up_process") else ["--no-warm-up-process"]
+    flags += [f"--serve-args '{w['serve_args']}'"] if w.get("serve_args") else []
+    return "python3 tools/bench/bench_serve.py " + " ".join(flags)
+
+
+def serve_section(name: str, what: str, doc: dict) -> str:
+    w = doc["workload"]
+    results = doc["results"]
+    base, ours = results["mlx_lm.server"], results["promptstore serve"]
+    lines = [
+        f"### A server restart: `bench-results/{name}` ({what})",
+        "",
+        f"`{serve_command(doc)}`, {doc['date'][:10]}, {doc['device']}; {doc['note']}. "
+        f"{w['users']} users, a {w['system_tokens']:,}-token system prompt, {w['context_tokens']:,} tokens of "
+        f"each user's own, {w['answer_tokens']}-token answers; {w['rounds']} rounds, then SIGTERM"
+        + (", the page cache dropped" if doc.get("page_cache_dropped_at_restart") else "")
+        + ", both servers started again.",
+    ]
+    if doc.get("run_note"):
+        lines += ["", f"This run: {doc['run_note']}."]
+    lines += ["", "| round | mlx_lm.server | promptstore serve | ratio |", "|---|---|---|---|"]
+    for a, b in zip(base["rounds"], ours["rounds"]):
+        label = f"{a['phase']} {a['turn']}"
+        lines.append(
+            f"| {label} | {ms(a['ttft_p50_s'])} | {ms(b['ttft_p50_s'])} | {b['ttft_p50_s'] / a['ttft_p50_s']:.2f}x |"
+        )
+    timelines = doc.get("promptstore_timelines") or []
+    if timelines:
+        keys = [k for k in timelines[0] if k.endswith("_ms")]
+        medians = {k: statistics.median(t[k] for t in timelines if k in t) for k in keys}
+        lines += [
+            "",
+            f"promptstore serve's request phases, medians over {len(timelines)} requests: "
+            + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in medians.items())
+            + ".",
+        ]
+    g = doc["goals"]
+    lines += [
+        "",
+        f"Goals as the run judged them: the first round after the restart at most 0.4x mlx_lm.server's TTFT p50: "
+        f"{'met' if g['after_restart_goal_0.4x_met'] else '**missed**'} ({g['after_restart_ttft_p50_ratio']:.3f}x); "
+        f"every other round no slower: {'met' if g['other_rounds_no_slower_met'] else '**missed**'}. "
+        f"Replies equal between the two servers: {doc['replies_equal']} (bf16 with random weights; fidelity is "
+        "checked by `make test` in float32).",
+    ]
+    return "\n".join(lines)
+
+
+def sections(results: Path) -> str:
+    """Markdown for every GPU result file present; empty if none is."""
+    parts = []
+    for name, what in COLD_RUNS:
+        if (results / name).exists():
+            parts.append(cold_section(name, what, json.loads((results / name).read_text())))
+    for name, what in SERVE_RUNS:
+        if (results / name).exists():
+            parts.append(serve_section(name, what, json.loads((results / name).read_text())))
+    if not parts:
+        return ""
+    head = (
+        "## NVIDIA GPU: the cold tier and a server restart\n\n"
+        "Rendered from the result files of `tools/bench/bench_cold.py` and `tools/bench/bench_serve.py`; "
+        "each section names the command that made it. docs/cold.md and docs/serve.md discuss them."
+    )
+    return "\n\n".join([head, *parts])
