@@ -267,6 +267,8 @@ class Contender:
                 t.join(timeout=REQUEST_TIMEOUT_S)
         wall = time.perf_counter() - started
         if any(r is None for r in out):
+            tail = self.server.log.read_text(errors="replace").splitlines()[-40:] if self.server.log.exists() else []
+            print(f"{self.server.name}'s log, last lines:\n" + "\n".join(tail), file=sys.stderr)
             raise RuntimeError(f"{self.server.name}: a request failed in {phase} turn {turn}")
         for r in out:
             r["round_wall_s"] = wall
