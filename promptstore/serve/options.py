@@ -134,6 +134,14 @@ def _add_options(group) -> None:
         "1.1-2.3 s to the first token instead of 0.2; docs/serve.md)",
     )
     group.add_argument(
+        "--arrival-wait",
+        type=float,
+        default=0.25,
+        metavar="SECONDS",
+        help="the longest the generation thread, taking a request, waits for requests whose prompts are being "
+        "checked at that moment, so a burst prefills as one batch (default: 0.25; 0 turns it off)",
+    )
+    group.add_argument(
         "--cudnn-attention",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -147,7 +147,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
     def __init__(self, provider: StoreModelProvider, cache: StoreCache, keyring: KeyRing):
         # Set before super().__init__, which starts the generation thread.
         self.store_cache, self.keyring = cache, keyring
-        self.arrivals = Arrivals()
+        self.arrivals = Arrivals(bound=provider.cli_args.arrival_wait)
         args = provider.cli_args
         self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
         self.metrics_access = MetricsAccess(args.metrics, getattr(args, "metrics_key", None), keyring)
@@ -503,6 +503,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.model:
         parser.error("--model is required: promptstore serve serves one local model")
+    if not 0 <= args.arrival_wait <= 10:
+        parser.error(f"--arrival-wait {args.arrival_wait}: give 0 to 10 seconds")
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s - %(levelname)s - %(message)s"
     )

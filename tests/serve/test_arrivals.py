@@ -121,3 +121,15 @@ def test_the_generator_wraps_the_budget_mlx_lm_sets():
     gen._time_budget = TimeBudget()
     assert isinstance(gen._time_budget, ArrivalBudget)
     assert gen._time_budget.requests is gen.requests
+
+
+@pytest.mark.parametrize("wait", ["-1", "nan", "11"])
+def test_serve_refuses_an_arrival_wait_outside_0_to_10_seconds(capsys, wait):
+    from promptstore.serve import server
+
+    with pytest.raises(SystemExit) as exit_:
+        server.main(["--model", "m", "--arrival-wait", wait])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"promptstore serve: error: --arrival-wait {float(wait)}: give 0 to 10 seconds"
+    )

@@ -402,7 +402,9 @@ def main() -> int:
                 disk_reads[name]["mapped_files_paged_in"] = {f: n for n, f in grown[:12]}
                 disk_reads[name]["health_when_the_round_began"] = health
             walls[name].setdefault(phase, []).append(wall)
-            print(f"  {phase} turn {turn}: {name} {wall:.2f} s", flush=True)
+            ttfts = [r["ttft_s"] for r in contenders[name].results if r["phase"] == phase and r["turn"] == turn]
+            p50 = statistics.median(ttfts) * 1e3
+            print(f"  {phase} turn {turn}: {name} {wall:.2f} s, TTFT p50 {p50:,.0f} ms", flush=True)
 
     names = list(contenders)
     start = {name: servers[name].written() for name in names}
