@@ -27,8 +27,8 @@ class Arrivals:
     """Requests admitted on HTTP threads and not yet queued for the generation thread.
 
     An HTTP thread holds `checking()` while it renders and checks a prompt and
-    calls `queued(token)` as it hands the request on (a check that fails
-    releases its token itself). `gather()`, on the generation thread, waits
+    calls `done(token)` as it hands the request on, or once it knows it never
+    will (a check that fails releases its token itself). `gather()`, on the generation thread, waits
     until every request being checked when it was called is queued or failed,
     at most `bound` seconds; requests that arrive meanwhile are not waited for.
     """
@@ -48,11 +48,12 @@ class Arrivals:
         try:
             yield token
         except BaseException:
-            self.queued(token)  # refused: nothing will be queued
+            self.done(token)  # refused: nothing will be queued
             raise
 
-    def queued(self, token: int | None) -> None:
-        """The request of `token` is being put on the generation thread's queue (or never will be)."""
+    def done(self, token: int | None) -> None:
+        """The request of `token` is being put on the generation thread's queue,
+        or never will be (idempotent)."""
         if token is None:
             return
         with self._changed:

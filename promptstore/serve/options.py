@@ -14,6 +14,7 @@ from mlx_lm import server as mlx_server
 
 from ..config import ENV_PREFIX, Settings
 from ..errors import ServeConfigError
+from .arrivals import GATHER_S
 
 # Settings the server does not use (mlx-lm's --prefill-step-size drives prefill).
 UNUSED_SETTINGS = ("prefill_step",)
@@ -136,10 +137,10 @@ def _add_options(group) -> None:
     group.add_argument(
         "--arrival-wait",
         type=float,
-        default=0.25,
+        default=GATHER_S,
         metavar="SECONDS",
         help="the longest the generation thread, taking a request, waits for requests whose prompts are being "
-        "checked at that moment, so a burst prefills as one batch (default: 0.25; 0 turns it off)",
+        f"checked at that moment, so a burst prefills as one batch (default: {GATHER_S}; 0 turns it off)",
     )
     group.add_argument(
         "--cudnn-attention",

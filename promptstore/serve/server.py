@@ -285,7 +285,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         timeline = getattr(request, "timeline", {})
         timeline.setdefault("received", time.perf_counter())
         timeline["queued"] = time.perf_counter()
-        self.arrivals.queued(getattr(request, "arrival", None))
+        self.arrivals.done(getattr(request, "arrival", None))
         ctx, responses = super().generate(request, generation_args, progress_callback)
         return ctx, self._logged(request, ctx, responses, timeline)
 
@@ -436,7 +436,10 @@ class StoreHandler(mlx_server.APIHandler):
         except ServeRequestError as e:
             self._error(e.status, str(e))
             return
-        super().handle_completion(request, stop_words)
+        try:
+            super().handle_completion(request, stop_words)
+        finally:
+            self.response_generator.arrivals.done(request.arrival)  # queued by generate, or never will be
 
     def admit(self, request) -> StoreRequest:
         """The request as the generation thread takes it (for the served model, its

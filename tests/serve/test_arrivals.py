@@ -17,7 +17,7 @@ def test_with_nothing_being_checked_gather_returns_at_once():
     arrivals.gather()  # would hang the test for a minute if it waited
     with arrivals.checking() as token:
         pass
-    arrivals.queued(token)
+    arrivals.done(token)
     arrivals.gather()
     assert arrivals.pending == 0
 
@@ -31,7 +31,7 @@ def test_gather_waits_for_the_requests_being_checked_until_each_is_queued():
             checked.set()
             time.sleep(delay)
         order.append(f"queued after {delay}")
-        arrivals.queued(token)
+        arrivals.done(token)
 
     threads = [threading.Thread(target=http_thread, args=(d,)) for d in (0.05, 0.1)]
     for t in threads:
@@ -72,7 +72,7 @@ def test_requests_arriving_while_gather_waits_are_not_waited_for():
         late.append(arrivals.checking())  # checked after gather began; never queued
         late[0].__enter__()
         time.sleep(0.05)
-        arrivals.queued(token)
+        arrivals.done(token)
 
     t = threading.Thread(target=later)
     t.start()

@@ -74,6 +74,7 @@ class Exchange:
 
     def serve(self) -> None:
         generator = self.handler.response_generator
+        request = None
         try:
             chat = self.translate(read_body(self.handler))
             request = self.admit(chat)
@@ -86,6 +87,9 @@ class Exchange:
             log.warning("request not generated: %s", e)
             self.error(500, f"the request could not be generated: {e}")
             return
+        finally:
+            if request is not None:
+                generator.arrivals.done(request.arrival)  # queued by generate, or never will be
         try:
             self._answer(chat, request, ctx, responses)
         finally:

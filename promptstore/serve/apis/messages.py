@@ -70,6 +70,7 @@ class CountTokensAPI(MessagesAPI):
         except ServeRequestError as e:
             self.error(e.status, str(e), e.param)
             return
+        self.handler.response_generator.arrivals.done(request.arrival)  # counted, never queued
         self.send_json(200, {"input_tokens": len(request.rendered.prompt)})
 
     def _max_tokens(self, body: dict) -> int:
