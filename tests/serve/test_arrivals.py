@@ -52,9 +52,10 @@ def test_a_check_that_fails_releases_its_request_and_a_request_never_queued_boun
     assert arrivals.pending == 0
     with arrivals.checking():
         pass  # admitted, then its handler failed before queueing it
-    started = time.monotonic()
-    arrivals.gather()  # returns after its bound
-    assert time.monotonic() - started < 30  # bounded (no timing goal: only that it returns)
+    waiting = threading.Thread(target=arrivals.gather)
+    waiting.start()
+    waiting.join(timeout=30)
+    assert not waiting.is_alive()  # it gave up at its bound, though the request never came
     assert arrivals.pending == 1
     arrivals.stale = 0.0
     arrivals.gather()  # forgotten once stale
