@@ -36,8 +36,10 @@ def test_gather_waits_for_the_requests_being_checked_until_each_is_queued():
     threads = [threading.Thread(target=http_thread, args=(d,)) for d in (0.05, 0.1)]
     for t in threads:
         t.start()
-    while arrivals.pending < 2:
+    deadline = time.monotonic() + 30
+    while arrivals.pending < 2 and time.monotonic() < deadline:
         time.sleep(0.001)
+    assert arrivals.pending == 2
     arrivals.gather()
     order.append("gathered")
     for t in threads:
