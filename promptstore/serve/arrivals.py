@@ -38,6 +38,7 @@ class Arrivals:
         self._changed = threading.Condition()
         self._pending: dict[int, float] = {}  # token -> when its check began (monotonic)
         self._next = 0
+        self.gathering = 0  # threads inside gather() now
 
     @contextmanager
     def checking(self):
@@ -73,11 +74,15 @@ class Arrivals:
             for token in [t for t, since in self._pending.items() if started - since > self.stale]:
                 del self._pending[token]  # its handler never queued it (an error between admission and queue)
             waiting = set(self._pending)
-            while waiting.intersection(self._pending):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
+            self.gathering += 1
+            try:
+                while waiting.intersection(self._pending):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._changed.wait(left)
+            finally:
+                self.gathering -= 1
         return time.monotonic() - started
 
 

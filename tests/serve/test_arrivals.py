@@ -24,27 +24,32 @@ def test_with_nothing_being_checked_gather_returns_at_once():
 
 def test_gather_waits_for_the_requests_being_checked_until_each_is_queued():
     arrivals = Arrivals(bound=60)
-    order, checked = [], threading.Event()
+    order, release = [], [threading.Event(), threading.Event()]
 
-    def http_thread(delay):
+    def http_thread(k):
         with arrivals.checking() as token:
-            checked.set()
-            time.sleep(delay)
-        order.append(f"queued after {delay}")
+            release[k].wait(timeout=30)  # checking until the test lets it go
+        order.append(f"queued {k}")
         arrivals.done(token)
 
-    threads = [threading.Thread(target=http_thread, args=(d,)) for d in (0.05, 0.1)]
+    def generation_thread():
+        arrivals.gather()
+        order.append("gathered")
+
+    threads = [threading.Thread(target=http_thread, args=(k,)) for k in (0, 1)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
     while arrivals.pending < 2 and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert arrivals.pending == 2
-    arrivals.gather()
-    order.append("gathered")
-    for t in threads:
-        t.join(timeout=10)
-    assert order == ["queued after 0.05", "queued after 0.1", "gathered"]
+    gatherer = threading.Thread(target=generation_thread)
+    gatherer.start()
+    time.sleep(0.05)  # the gatherer is waiting by now (were it not, the order below would still hold)
+    for k in (0, 1):
+        release[k].set()
+        threads[k].join(timeout=10)
+    gatherer.join(timeout=10)
+    assert order == ["queued 0", "queued 1", "gathered"]
 
 
 def test_a_check_that_fails_releases_its_request_and_a_request_never_queued_bounds_the_wait():
@@ -66,22 +71,19 @@ def test_a_check_that_fails_releases_its_request_and_a_request_never_queued_boun
 
 def test_requests_arriving_while_gather_waits_are_not_waited_for():
     arrivals = Arrivals(bound=60)
-    first = arrivals.checking()
-    token = first.__enter__()
-    late = []
-
-    def later():
-        time.sleep(0.05)
-        late.append(arrivals.checking())  # checked after gather began; never queued
-        late[0].__enter__()
-        time.sleep(0.05)
-        arrivals.done(token)
-
-    t = threading.Thread(target=later)
-    t.start()
-    arrivals.gather()  # returns once the first is queued, although the late one is still pending
-    t.join(timeout=10)
-    assert late and arrivals.pending == 1
+    returned = threading.Event()
+    with arrivals.checking() as first:
+        gatherer = threading.Thread(target=lambda: (arrivals.gather(), returned.set()))
+        gatherer.start()
+        deadline = time.monotonic() + 30
+        while arrivals.gathering == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert arrivals.gathering == 1  # waiting for the first
+        with arrivals.checking():  # a request checked after the wait began, never queued
+            arrivals.done(first)
+            assert returned.wait(timeout=30)  # the wait ended with the first: the later one does not hold it
+            assert arrivals.pending == 1
+    gatherer.join(timeout=10)
 
 
 def steps(budget, limit=1000, on_step=None) -> int:
