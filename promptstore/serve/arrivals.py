@@ -28,9 +28,10 @@ class Arrivals:
 
     An HTTP thread holds `checking()` while it renders and checks a prompt and
     calls `done(token)` as it hands the request on, or once it knows it never
-    will (a check that fails releases its token itself). `gather()`, on the generation thread, waits
-    until every request being checked when it was called is queued or failed,
-    at most `bound` seconds; requests that arrive meanwhile are not waited for.
+    will (a check that fails releases its token itself). `gather()`, on the
+    generation thread, waits until every request being checked when it was
+    called is queued or failed, at most `bound` seconds; requests that arrive
+    meanwhile are not waited for.
     """
 
     def __init__(self, bound: float = GATHER_S, stale: float = STALE_S):
