@@ -62,6 +62,19 @@ def value(samples: dict, name: str, **labels) -> float:
     return samples[(name, frozenset(labels.items()))]
 
 
+def written(server: Server, seconds: float = 30) -> dict:
+    """A scrape once every stored node is on disk: mlx_lm.server stores a reply's
+    tokens after the response is sent, so the last node may still be spilling
+    when the client has its answer."""
+    deadline = time.monotonic() + seconds
+    while True:
+        m = scrape(server)
+        on_disk = value(m, "promptstore_disk_written_bytes_total") >= value(m, "promptstore_stored_bytes")
+        if on_disk or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
 def test_counters_equal_what_the_responses_reported_across_a_restart(serve, model_dir):
     model = model_dir("llama")
     options = ("--warm-start", "false", "--cold-plan", "load")  # after the restart, the hit is read from disk
@@ -69,7 +82,7 @@ def test_counters_equal_what_the_responses_reported_across_a_restart(serve, mode
     label = {"model": str(model.resolve())}
     miss, hot = complete(server.client()), complete(server.client())
     assert miss.cached == 0 and hot.cached > 0
-    m = scrape(server)
+    m = written(server)
     assert value(m, "promptstore_requests_total", **label) == 2
     assert value(m, "promptstore_request_hits_total", **label) == 1
     assert value(m, "promptstore_prompt_tokens_total", **label) == miss.prompt + hot.prompt
