@@ -147,8 +147,8 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
     def __init__(self, provider: StoreModelProvider, cache: StoreCache, keyring: KeyRing):
         # Set before super().__init__, which starts the generation thread.
         self.store_cache, self.keyring = cache, keyring
-        self.arrivals = Arrivals(bound=provider.cli_args.arrival_wait)
         args = provider.cli_args
+        self.arrivals = Arrivals(bound=args.arrival_wait)
         self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
         self.metrics_access = MetricsAccess(args.metrics, getattr(args, "metrics_key", None), keyring)
         self.metrics_access.warn()

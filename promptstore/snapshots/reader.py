@@ -271,7 +271,9 @@ class FileRead:
     """The reading of one open file's arrays, under way on the reading threads.
 
     `result()` gives the arrays and each one's xxh3-128 once every read is done
-    (or raises the first error: OSError, ShortRead, device.CudaError; LandedElsewhere when the bytes read back from the arrays are not the file's). The
+    (or raises the first error: OSError, ShortRead, device.CudaError;
+    LandedElsewhere when the bytes read back from the arrays are not the
+    file's). The
     descriptor is closed when the last read ends, whoever waits for it.
     """
 

@@ -33,7 +33,6 @@ from ..errors import (
 from ..identity import NodeId
 from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, prefix_key
 from ..snapshots import device
-from ..snapshots.device import host_readable
 from . import plan
 from .metrics import model_label
 from .plan import Choice
@@ -115,7 +114,7 @@ def weights_digest(model: nn.Module) -> str:
         mx.eval(p)
         h.update(f"{name}:{p.dtype}:{p.shape};".encode())
         # A copy the host reads: on CUDA the weights themselves stay on the device.
-        h.update(memoryview(mx.contiguous(host_readable({"p": p})["p"])))
+        h.update(memoryview(mx.contiguous(device.host_readable({"p": p})["p"])))
     if device.CUDA:
         # Those copies were managed memory the host has just read: MLX keeps
         # freed buffers for reuse, and a later kernel given one faults its pages

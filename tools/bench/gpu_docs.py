@@ -41,8 +41,8 @@ def cold_section(name: str, what: str, doc: dict) -> str:
         f"### The cold tier: `bench-results/{name}` ({what})",
         "",
         f"`{cold_command(doc)}`, {doc['date'][:10]}, {doc['device']}; {p['note']}. "
-        f"Page cache dropped by {doc['page_cache_drop']}. Runs per cell: {p.get('short_runs', p['runs'])} at the shorter "
-        f"prefixes, {p['runs']} at {p['prefixes'][-1]:,} tokens; medians.",
+        f"Page cache dropped by {doc['page_cache_drop']}. Runs per cell: {p.get('short_runs', p['runs'])} at the "
+        f"shorter prefixes, {p['runs']} at {p['prefixes'][-1]:,} tokens; medians.",
         "",
         f"At {doc['prefix_tokens']:,} tokens ({doc['kv_bytes'] / 1e9:.2f} GB of KV):",
         "",
@@ -126,7 +126,7 @@ def serve_section(name: str, what: str, doc: dict) -> str:
         )
     timelines = doc.get("promptstore_timelines") or []
     if timelines:
-        keys = [k for k in timelines[0] if k.endswith("_ms")]
+        keys = list(dict.fromkeys(k for t in timelines for k in t if k.endswith("_ms")))
         medians = {k: statistics.median(t[k] for t in timelines if k in t) for k in keys}
         lines += [
             "",
