@@ -462,6 +462,12 @@ class ColdTier:
         """Write a node's snapshots durably; returns the ref to publish in the index."""
         arrays, metadata = to_flat(snapshots)
         arrays = device.host_readable(arrays)  # on CUDA, the hot arrays stay on the device
+        try:
+            return self._write(node, arrays, metadata)
+        finally:
+            device.release_host_copies(arrays)
+
+    def _write(self, node: NodeId, arrays: dict[str, mx.array], metadata: dict[str, str]) -> FileRef:
         sums = checksums(arrays)  # evaluates the arrays too
         meta = NodeFileMeta(
             format_version=FORMAT_VERSION,

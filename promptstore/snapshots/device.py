@@ -48,6 +48,34 @@ def host_readable(arrays: dict[str, mx.array]) -> dict[str, mx.array]:
     return copies
 
 
+# Bytes of host-read copies dropped since MLX's buffer cache was last emptied;
+# past CLEAR_BYTES, release_host_copies empties it.
+CLEAR_BYTES = 256 << 20
+_dropped = 0
+_dropped_lock = threading.Lock()
+
+
+def release_host_copies(copies: dict[str, mx.array]) -> None:
+    """Drop host_readable's copies (the caller holds no other reference). CUDA:
+    their pages now sit in host memory, and MLX keeps freed buffers for reuse: a
+    later kernel given one faults its pages back one by one, inside whatever
+    request it serves (on an H200, a batch over four 5k-token caches right after
+    2.6 GB of copies were dropped: 132-154 ms; emptied: 109-112; with no spill
+    before it: 111-115). So once CLEAR_BYTES of copies have been dropped, MLX's
+    buffer cache is emptied. Elsewhere the copies are the originals: nothing to do."""
+    global _dropped
+    if not CUDA or not copies:
+        return
+    nbytes = sum(a.nbytes for a in copies.values())
+    copies.clear()
+    with _dropped_lock:
+        _dropped += nbytes
+        if _dropped < CLEAR_BYTES:
+            return
+        _dropped = 0
+    mx.clear_cache()
+
+
 def address(array: mx.array) -> int:
     """The host address of an array's memory (on CUDA, managed memory: call it
     only on arrays already there, as host_address_space leaves them)."""

@@ -964,3 +964,61 @@ def test_a_file_truncated_while_mlx_reads_it_is_a_miss_or_served_whole(tier):
         assert e.reason in {"unreadable", "checksum"}
     else:
         assert same(got, snaps)
+
+
+def test_dropped_host_copies_empty_mlx_s_buffer_cache_past_a_threshold(monkeypatch):
+    """On CUDA a spill's host-read copies must not go back to MLX's buffer cache
+    (a kernel given one would fault its pages back): release_host_copies drops
+    them and, once CLEAR_BYTES of them have been dropped, empties that cache. The
+    CUDA branch runs here on the CPU backend, whose buffer cache is real too."""
+    from promptstore.snapshots import device
+
+    monkeypatch.setattr(device, "CUDA", True)
+    monkeypatch.setattr(device, "CLEAR_BYTES", 3 << 20)
+    monkeypatch.setattr(device, "_dropped", 0)
+    mx.clear_cache()
+
+    def copies() -> dict[str, mx.array]:
+        made = {"k": mx.ones((1 << 18,), dtype=mx.float32) * 2}  # 1 MiB
+        mx.eval(made)
+        return made
+
+    first = copies()
+    device.release_host_copies(first)
+    assert first == {}  # the caller's dict holds nothing any more
+    assert mx.get_cache_memory() >= 1 << 20  # under the threshold: kept for reuse
+    second = copies()
+    device.release_host_copies(second)
+    assert mx.get_cache_memory() >= 1 << 20
+    third = copies()
+    device.release_host_copies(third)  # 3 MiB dropped in all
+    assert mx.get_cache_memory() == 0
+    assert device._dropped == 0
+    monkeypatch.setattr(device, "CUDA", False)
+    kept = copies()
+    device.release_host_copies(kept)  # elsewhere the "copies" are the originals
+    assert set(kept) == {"k"}
+
+
+def test_a_write_releases_the_copies_it_read_whether_it_lands_or_fails(tmp_path, monkeypatch):
+    """ColdTier.write hands the arrays it read to release_host_copies once, both
+    when the file lands and when the disk refuses it."""
+    import errno
+
+    from promptstore.errors import DiskWriteError
+    from promptstore.snapshots import device
+
+    released = []
+    monkeypatch.setattr(device, "release_host_copies", lambda copies: released.append(len(copies)))
+    tier = ColdTier(tmp_path / "cold")
+    snaps = _family_snapshots("llama")
+    put(tier, snaps)
+    assert len(released) == 1 and released[0] > 0
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cold, "write_safetensors", full)
+    with pytest.raises(DiskWriteError):
+        put(tier, snaps, key=OTHER_KEY)
+    assert released == [released[0], released[0]]

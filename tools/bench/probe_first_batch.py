@@ -7,6 +7,11 @@ MODE batch: 4 caches of L tokens (filled without attention), optional warm-up, t
 MODE prefill: one request's prefill of 4.8k, 8k and 32k tokens in 2,048-token steps, twice each (the
             first run meets new shapes); then eight chat turns of 50-57 tokens over a 5k-token cache,
             each a new key length. Run it with and without MLX_CUDA_USE_CUDNN_SDPA=0.
+MODE spill [--beside]: batches as in `batch` (kernels warmed by a first one), each after a
+            spill-sized host read of 4 caches' arrays (ColdTier.write's device.host_readable and
+            checksums) on another thread: none, the copies dropped as they were, or dropped
+            through device.release_host_copies. --beside: the read runs beside the batch (as the
+            server's spill thread runs beside requests), and one more batch follows it.
 Options of batch: --warm-prefix N (the server's kernel warm-up first, with N-token prefixes),
 --digest (the weights digest the server makes without --model-id), --clear (mx.clear_cache() after it).
 Llama-3.1-8B's shape with random bfloat16 weights; PROBE_SMALL=1 makes it 2 small layers (a smoke run).
@@ -165,12 +170,64 @@ def prefill_mode():
     out["prefill"] = res
 
 
+def spill_mode(beside: bool):
+    import threading
+
+    from promptstore.snapshots import device
+    from promptstore.snapshots.cold import checksums
+
+    model = tiny_model("llama", seed=0, dtype=mx.bfloat16, vocab_size=VOCAB, **MODEL)
+    mx.eval(model.parameters())
+    lengths = [5096, 5098, 5101, 5097]
+    batch(model, lengths, 0)  # kernels
+    res = {}
+    for i, variant in enumerate(["none", "dropped", "released", "dropped", "released", "none"]):
+        spill_ms = [0.0]
+        worker = None
+        if variant != "none":
+            caches, _ = caches_of(model, lengths, 50 + i)
+            arrays = {
+                f"{b}.{j}.{k}": a
+                for b, c in enumerate(caches)
+                for j, layer in enumerate(c)
+                for k, a in enumerate(layer.state)
+                if isinstance(a, mx.array)
+            }
+            del caches
+
+            def spill(arrays=arrays, release=variant == "released", spill_ms=spill_ms):
+                a = time.perf_counter()
+                copies = device.host_readable(arrays)  # what ColdTier.write reads
+                checksums(copies)
+                if release:
+                    device.release_host_copies(copies)  # past device.CLEAR_BYTES: empties MLX's buffer cache
+                del copies
+                spill_ms[0] = round((time.perf_counter() - a) * 1000, 1)
+
+            del arrays
+            worker = threading.Thread(target=spill)
+            worker.start()
+            if not beside:
+                worker.join()
+        r = batch(model, lengths, 100 * i)
+        if worker is not None:
+            worker.join()
+        r.update(variant=variant, spill_ms=spill_ms[0], cache_gb=round(mx.get_cache_memory() / 1e9, 2))
+        if beside:
+            r["next_first_token_ms"] = batch(model, lengths, 100 * i + 1)["first_token_ms"][0]
+        res.setdefault(variant, []).append(r)
+        print(variant, r, flush=True)
+    out["spill"] = res
+
+
 def main():
     mode = sys.argv[1]
     if mode == "sdpa":
         sdpa()
     elif mode == "prefill":
         prefill_mode()
+    elif mode == "spill":
+        spill_mode("--beside" in sys.argv)
     else:
         warm_prefix = int(sys.argv[sys.argv.index("--warm-prefix") + 1]) if "--warm-prefix" in sys.argv else 0
         a = time.perf_counter()
