@@ -11,13 +11,17 @@ from pathlib import Path
 # (file, what the run was); the first of each kind is the one the README quotes.
 COLD_RUNS = (
     ("cold-cuda-run3.json", "third run, a third H100 machine"),
+    ("cold-cuda-short.json", "an H200, the 2k and 8k prefixes only, 15 runs a cell"),
     ("cold-cuda.json", "second run, a second H100 machine"),
     ("cold-cuda-run1.json", "first run"),
 )
 SERVE_RUNS = (
-    ("serve-cuda.json", "promptstore serve on MLX's own attention kernels, its default on CUDA"),
-    ("serve-cuda-cudnn.json", "both servers on cuDNN's attention kernels, MLX's default"),
-    ("serve-cuda-nocudnn.json", "both servers on MLX's own attention kernels"),
+    ("serve-cuda.json", "an H200; requests arriving together prefill together; spill copies leave MLX's buffer cache"),
+    ("serve-cuda-2.json", "the same code, a second run on that H200"),
+    ("serve-cuda-h200-arrivals.json", "that H200, before spill copies left MLX's buffer cache"),
+    ("serve-cuda-h100.json", "an H100, promptstore serve on MLX's own attention kernels, before arrivals were gathered"),
+    ("serve-cuda-cudnn.json", "an H100, both servers on cuDNN's attention kernels, MLX's default"),
+    ("serve-cuda-nocudnn.json", "an H100, both servers on MLX's own attention kernels"),
 )
 
 
@@ -32,7 +36,17 @@ def goals_list(goals: list[dict]) -> list[str]:
 
 
 def cold_command(doc: dict) -> str:
-    return f"python3 tools/bench/bench_cold.py --profile {doc['profile']['name']}"
+    """The command that repeats the run with today's bench: the profile, and the
+    options where the run's profile differs from today's default of it."""
+    from bench_cold import PROFILES
+
+    p, default = doc["profile"], PROFILES[doc["profile"]["name"]]
+    options = [f"--profile {p['name']}"]
+    if tuple(p["prefixes"]) != tuple(default.prefixes):
+        options.append("--prefixes " + ",".join(str(n) for n in p["prefixes"]))
+    if p.get("short_runs", p["runs"]) != default.short_runs:
+        options.append(f"--short-runs {p.get('short_runs', p['runs'])}")
+    return "python3 tools/bench/bench_cold.py " + " ".join(options)
 
 
 def cold_section(name: str, what: str, doc: dict) -> str:
