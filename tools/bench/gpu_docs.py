@@ -19,7 +19,10 @@ SERVE_RUNS = (
     ("serve-cuda.json", "an H200; requests arriving together prefill together; spill copies leave MLX's buffer cache"),
     ("serve-cuda-2.json", "the same code, a second run on that H200"),
     ("serve-cuda-h200-arrivals.json", "that H200, before spill copies left MLX's buffer cache"),
-    ("serve-cuda-h100.json", "an H100, promptstore serve on MLX's own attention kernels, before arrivals were gathered"),
+    (
+        "serve-cuda-h100.json",
+        "an H100, promptstore serve on MLX's own attention kernels, before arrivals were gathered",
+    ),
     ("serve-cuda-cudnn.json", "an H100, both servers on cuDNN's attention kernels, MLX's default"),
     ("serve-cuda-nocudnn.json", "an H100, both servers on MLX's own attention kernels"),
 )
