@@ -55,22 +55,24 @@ _dropped = 0
 _dropped_lock = threading.Lock()
 
 
-def release_host_copies(copies: dict[str, mx.array]) -> None:
+def release_host_copies(copies: dict[str, mx.array], *, flush: bool = False) -> None:
     """Drop host_readable's copies (the caller holds no other reference). CUDA:
     their pages now sit in host memory, and MLX keeps freed buffers for reuse: a
     later kernel given one faults its pages back one by one, inside whatever
     request it serves (on an H200, a batch over four 5k-token caches right after
-    2.6 GB of copies were dropped: 132-154 ms; emptied: 109-112; with no spill
-    before it: 111-115). So once CLEAR_BYTES of copies have been dropped, MLX's
-    buffer cache is emptied. Elsewhere the copies are the originals: nothing to do."""
+    2.6 GB of spill copies were dropped: 132-154 ms; emptied: 109-112; with no
+    spill before it: 111-115; on an H100, the 28 GB left by an 8B model's weights
+    digest made the next batches 1.4-2.0 s instead of 0.2). So once CLEAR_BYTES
+    of copies have been dropped, or at once with `flush`, MLX's buffer cache is
+    emptied. Elsewhere the copies are the originals: nothing to do."""
     global _dropped
-    if not CUDA or not copies:
+    if not CUDA:
         return
     nbytes = sum(a.nbytes for a in copies.values())
     copies.clear()
     with _dropped_lock:
         _dropped += nbytes
-        if _dropped < CLEAR_BYTES:
+        if _dropped < CLEAR_BYTES and not (flush and _dropped):
             return
         _dropped = 0
     mx.clear_cache()

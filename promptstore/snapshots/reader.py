@@ -273,8 +273,8 @@ class FileRead:
     `result()` gives the arrays and each one's xxh3-128 once every read is done
     (or raises the first error: OSError, ShortRead, device.CudaError;
     LandedElsewhere when the bytes read back from the arrays are not the
-    file's). The
-    descriptor is closed when the last read ends, whoever waits for it.
+    file's). The descriptor is closed when the last read ends, whoever waits
+    for it.
     """
 
     def __init__(self, fd: int, tensors: dict, base: int, placing=None):

@@ -104,8 +104,7 @@ def model_dtype(model: nn.Module) -> str:
 
 
 def weights_digest(model: nn.Module) -> str:
-    """xxh3-128 over every parameter's name, dtype, shape and bytes (on CUDA,
-    MLX's buffer cache is emptied afterwards: see below)."""
+    """xxh3-128 over every parameter's name, dtype, shape and bytes."""
     import xxhash
     from mlx.utils import tree_flatten
 
@@ -114,13 +113,10 @@ def weights_digest(model: nn.Module) -> str:
         mx.eval(p)
         h.update(f"{name}:{p.dtype}:{p.shape};".encode())
         # A copy the host reads: on CUDA the weights themselves stay on the device.
-        h.update(memoryview(mx.contiguous(device.host_readable({"p": p})["p"])))
-    if device.CUDA:
-        # Those copies were managed memory the host has just read: MLX keeps
-        # freed buffers for reuse, and a later kernel given one faults its pages
-        # back to the device one by one (on an H100, 28 GB of them left after
-        # an 8B model's digest made the next batches 1.4-2.0 s instead of 0.2).
-        mx.clear_cache()
+        copy = device.host_readable({"p": p})
+        h.update(memoryview(mx.contiguous(copy["p"])))
+        device.release_host_copies(copy)
+    device.release_host_copies({}, flush=True)  # none of the copies stays in MLX's buffer cache
     return h.hexdigest()
 
 

@@ -981,6 +981,7 @@ def test_dropped_host_copies_empty_mlx_s_buffer_cache_past_a_threshold(monkeypat
     def copies() -> dict[str, mx.array]:
         made = {"k": mx.ones((1 << 18,), dtype=mx.float32) * 2}  # 1 MiB
         mx.eval(made)
+        mx.clear_cache()  # what MLX keeps from here on is what the release left
         return made
 
     first = copies()
@@ -994,6 +995,9 @@ def test_dropped_host_copies_empty_mlx_s_buffer_cache_past_a_threshold(monkeypat
     device.release_host_copies(third)  # 3 MiB dropped in all
     assert mx.get_cache_memory() == 0
     assert device._dropped == 0
+    fourth = copies()
+    device.release_host_copies(fourth, flush=True)  # under the threshold, emptied at once
+    assert mx.get_cache_memory() == 0
     monkeypatch.setattr(device, "CUDA", False)
     kept = copies()
     device.release_host_copies(kept)  # elsewhere the "copies" are the originals
