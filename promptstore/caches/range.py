@@ -32,10 +32,29 @@ AXIS = 2
 
 @functools.lru_cache(maxsize=64)
 def _zeros(shape: tuple, dtype) -> mx.array:
-    """Headroom filler, made once per shape: every restore concatenates a copy of it."""
+    """Headroom filler, made once per shape: a restore that joins arrays concatenates a copy of it."""
     z = mx.zeros(shape, dtype=dtype)
     mx.eval(z)
     return z
+
+
+def _joined(parts: list[mx.array]) -> mx.array:
+    """The live buffer made of `parts`, oldest first.
+
+    One stored array is handed over as it is: a new array object over the
+    same memory (no copy). It has no room for the next token, as the caches
+    mlx-lm's own load_prompt_cache makes: the cache's first write grows it by
+    a copy, which a single stream makes once (a restore that copied up front
+    copied again when the new tokens passed its headroom) and a server's batch
+    never makes (merging copies every cache). A write into its positions
+    after a trim replaces the cache's array object only, so nothing a cache
+    does reaches the snapshot; MLX copies a buffer another array still uses.
+
+    Several are joined by one concatenation, whose last part is the headroom.
+    """
+    if len(parts) == 1:
+        return parts[0][...]
+    return mx.concatenate(parts, axis=AXIS)
 
 
 def data_start(snapshot: Snapshot) -> int:
@@ -65,7 +84,7 @@ class RangeKind(SnapshotProtocol):
         return 0
 
     def plan_install(self, buffers: dict[str, mx.array], lo: int, target: int, last: Snapshot | None) -> dict:
-        """Attributes for buffers holding positions [lo, target) plus headroom."""
+        """Attributes for buffers holding positions [lo, target), maybe with room after them."""
         raise NotImplementedError
 
     def install_from(self, target: int) -> int:
@@ -131,8 +150,7 @@ class RangeKind(SnapshotProtocol):
         pieces = self._gather(chain, lo, target)
         if pieces is None:
             return None
-        buffers = {n: mx.concatenate(p, axis=AXIS) for n, p in pieces.items()}
-        return self.plan_install(buffers, lo, target, chain[-1])
+        return self.plan_install({n: _joined(p) for n, p in pieces.items()}, lo, target, chain[-1])
 
     def _segments(self, chain: list[Snapshot]):
         """(first, last, arrays) runs of positions available, oldest first."""
@@ -168,10 +186,11 @@ class RangeKind(SnapshotProtocol):
         if covered > lo or not pieces:
             return None
         self._check_compatible(pieces)
-        template = {n: p[-1] for n, p in pieces.items()}
-        room = headroom(target)
-        for n, t in template.items():
-            pieces[n].append(_zeros((*t.shape[:2], room, t.shape[3]), t.dtype))
+        if len(next(iter(pieces.values()))) > 1:
+            room = headroom(target)
+            for parts in pieces.values():
+                t = parts[-1]
+                parts.append(_zeros((*t.shape[:2], room, t.shape[3]), t.dtype))
         return pieces
 
     def _check_against_live(self, chain: list[Snapshot]) -> None:

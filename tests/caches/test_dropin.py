@@ -102,21 +102,34 @@ def test_quantizing_a_cache_keeps_our_kind(model_of):
     assert q.snapshot(0).end == 5
 
 
-def test_restore_leaves_headroom_for_decoding(model_of):
-    """The first decode step after a restore writes in place (mlx-lm #1395)."""
+def test_a_restore_copies_nothing_and_the_first_write_grows_the_cache_once(model_of):
+    """Restored from one snapshot per layer, a cache holds the stored arrays
+    themselves, sized exactly (as mlx-lm's load_prompt_cache makes them): no
+    copy. Its first write grows each buffer by one copy; the steps after it
+    write in place."""
     model = model_of("llama")
-    tokens = prompt_tokens(600, seed=6)
-    hit = restored(model, tokens, 512)
-    assert all(c.keys.shape[2] > c.offset for c in hit)
-    keys_before = [c.keys.shape[2] for c in hit]
-    forward(model, hit, tokens[512:513])
-    assert [c.keys.shape[2] for c in hit] == keys_before  # no regrowth, no copy
-    # Without headroom (a cache sized exactly), the same step must grow the buffer.
-    tight = fresh_cache(model)
-    for c, h in zip(tight, hit):
-        c.state = (mx.array(h.keys[..., :512, :]), mx.array(h.values[..., :512, :]), 512)
-    forward(model, tight, tokens[512:513])
-    assert all(c.keys.shape[2] > 513 for c in tight)
+    tokens = prompt_tokens(700, seed=6)
+    cache = fresh_cache(model)
+    forward(model, cache, tokens[:512])
+    snaps = [s.eval() for s in C.snapshot_prompt_cache(cache, 0)]
+    stored = sum(a.nbytes for s in snaps for a in s.arrays.values())
+    del cache
+    hit = fresh_cache(model)
+    gc.collect()
+    base = mx.get_active_memory()
+    assert C.restore_prompt_cache(hit, snaps, 512)
+    mx.eval([c.state for c in hit])
+    assert mx.get_active_memory() - base < 0.1 * stored
+    assert all(c.keys.shape[2] == c.offset == 512 for c in hit)
+    forward(model, hit, tokens[512:600])
+    grown = [c.keys.shape[2] for c in hit]
+    assert all(g >= 600 for g in grown)
+    forward(model, hit, tokens[600:601])
+    assert [c.keys.shape[2] for c in hit] == grown  # in place: no regrowth, no copy
+    # What the restored cache computed is what a full prefill computes.
+    direct = fresh_cache(model)
+    forward(model, direct, tokens[:600])
+    assert mx.allclose(forward(model, direct, tokens[600:602]), forward(model, hit, tokens[601:602]), atol=1e-4)
 
 
 def _retained(take):

@@ -2,6 +2,7 @@
 
 from functools import reduce
 
+import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ from .drivers import (
     KVDriver,
     QuantizedDriver,
     RotatingDriver,
+    kv_rows,
     same,
 )
 
@@ -120,6 +122,40 @@ def test_restore_chain_onto_a_prefix(name, chunks):
         end -= 1
     direct, _ = driver.build(chunks, end)
     assert same(driver.logical(prefix), driver.logical(direct))
+
+
+@pytest.mark.parametrize("name", ["kv", "quantized", "chunked", "batch_kv"])
+@PROPS
+@given(chunks=chunk_lists, data=st.data())
+def test_writes_into_a_restored_cache_never_reach_its_snapshots(name, chunks, data):
+    """A restore from one snapshot hands its arrays over without a copy (from
+    several, it joins them). Writes after a trim (in place) and past the end
+    (growing) change the cache as they change a cache fed directly, and never
+    the snapshots it was restored from."""
+    driver = DRIVERS[name]
+    end = sum(chunks)
+    target = data.draw(st.integers(1, end))
+    back = data.draw(st.integers(0, target))  # positions trimmed before writing
+    n = data.draw(st.integers(1, 9))
+    for merge in (True, False):
+        _, chain = chain_of(driver, chunks)
+        _, kept = chain_of(driver, chunks)  # an equal chain, built apart
+        source = reduce(C.merge_snapshots, chain) if merge else chain
+        cache = driver.new()
+        assert cache.restore(source, target)
+        direct, _ = driver.build(chunks, target)
+        trimmed = cache.trim(back)
+        assert trimmed == back or name == "chunked"  # a chunked cache holds only the last chunk's positions
+        assert direct.trim(trimmed) == trimmed
+        for c in (cache, direct):
+            k, v = kv_rows(target - trimmed, target - trimmed + n, driver.batch)
+            c.update_and_fetch(k * 0 + 7, v * 0 - 7)
+        assert same(driver.logical(cache), driver.logical(direct)), (merge, target, back)
+        if merge:
+            assert C.arrays_equal(source, reduce(C.merge_snapshots, kept))
+        else:
+            assert all(C.arrays_equal(a, b) for a, b in zip(chain, kept))
+        mx.eval([a for s in chain for a in s.arrays.values()])
 
 
 @pytest.mark.parametrize("name", ["rotating", "arrays", "cache_list_rotating", "batch_rotating"])

@@ -274,7 +274,9 @@ def restore_alone(root: Path, model, tokens, p: Profile, kv_bytes: int, tmp: Pat
     if device.CUDA:
         paths["mx.load (CPU stream)"] = lambda: _time(lambda: load(mx.cpu))
     warm_page_cache(root / "cold")
-    timed = alternate(paths, max(3, p.runs))
+    # A restore of tens of MB takes a few ms, and moves by as much between runs
+    # (where its memory comes from): such a one is run many times.
+    timed = alternate(paths, max(3, p.runs) if kv_bytes >= 1 << 30 else max(15, p.runs))
     dropped = []
     for _ in range(2):
         drop_page_cache(root / "cold", drop)
