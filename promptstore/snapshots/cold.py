@@ -111,6 +111,27 @@ def _hash_run(views: list[tuple[str, memoryview]], run: list[mx.array], then) ->
     return digests
 
 
+_staged_checked = False  # whether this process compared staged bytes with the arrays yet
+
+
+def _staged_checksums(arrays: dict[str, mx.array], staged: dict) -> dict[str, str]:
+    """checksum() of every array from its staged chunks. The first time in a
+    process, the bytes at both ends of every array are compared with the
+    arrays' own (device.check_staged raises StagedElsewhere on a difference)."""
+    global _staged_checked
+    sums, ends = {}, {}
+    for name, chunks in staged.items():
+        digest, end = xxhash.xxh3_128(), reader._Ends()
+        for chunk in chunks():
+            digest.update(chunk)
+            end.add(chunk)
+        sums[name], ends[name] = digest.hexdigest(), end.value()
+    if not _staged_checked:
+        device.check_staged(arrays, {n: e for n, e in ends.items() if arrays[n].nbytes})
+        _staged_checked = True
+    return sums
+
+
 def checksum(array: mx.array) -> str:
     """xxh3-128 of the array's bytes in row-major order."""
     return xxhash.xxh3_128_hexdigest(_row_major_bytes(array))
@@ -416,6 +437,7 @@ class ColdTier:
         for d in (self.root, self.files, self.quarantine_dir):
             d.mkdir(mode=dir_mode, parents=True, exist_ok=True)
         self.resolved = self.root.resolve()
+        device.prepare_staging()  # CUDA: what spills use is built before the first one
 
     # --- naming ----------------------------------------------------------------
 
@@ -461,14 +483,29 @@ class ColdTier:
     def write(self, node: NodeId, snapshots: Sequence[Snapshot]) -> FileRef:
         """Write a node's snapshots durably; returns the ref to publish in the index."""
         arrays, metadata = to_flat(snapshots)
+        mx.eval(list(arrays.values()))
+        staged = device.staged_sources(arrays)  # CUDA: copied to the host by the copy engine
+        if staged is not None:
+            try:
+                sums = _staged_checksums(arrays, staged)
+            except device.StagedElsewhere:
+                staged = None  # this process spills through host copies from now on
+            else:
+                return self._write(node, arrays, metadata, sums, staged)
         arrays = device.host_readable(arrays)  # on CUDA, the hot arrays stay on the device
         try:
-            return self._write(node, arrays, metadata)
+            return self._write(node, arrays, metadata, checksums(arrays))
         finally:
             device.release_host_copies(arrays)
 
-    def _write(self, node: NodeId, arrays: dict[str, mx.array], metadata: dict[str, str]) -> FileRef:
-        sums = checksums(arrays)  # evaluates the arrays too
+    def _write(
+        self,
+        node: NodeId,
+        arrays: dict[str, mx.array],
+        metadata: dict[str, str],
+        sums: dict[str, str],
+        staged: dict | None = None,
+    ) -> FileRef:
         meta = NodeFileMeta(
             format_version=FORMAT_VERSION,
             key=node.key.hex(),
@@ -479,7 +516,7 @@ class ColdTier:
             record=xxhash.xxh3_128_hexdigest(metadata[METADATA_KEY].encode()),
         )
         metadata[NODE_KEY] = meta.model_dump_json()
-        named = [(name, a, _row_major_bytes(a)) for name, a in arrays.items()]
+        named = [(name, a, staged[name] if staged else _row_major_bytes(a)) for name, a in arrays.items()]
         rel = self.relative_path(node, secrets.token_hex(TAG_BYTES))
         final = self.root / rel
         try:

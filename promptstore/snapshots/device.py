@@ -13,8 +13,10 @@ prefetch of files MLX's loader read into managed memory.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
@@ -76,6 +78,139 @@ def release_host_copies(copies: dict[str, mx.array], *, flush: bool = False) -> 
             return
         _dropped = 0
     mx.clear_cache()
+
+
+# --- staged reads of device arrays (CUDA): the spill's way to the host ---
+
+STAGE_BYTES = 16 << 20  # one copy into a pinned buffer
+ENDS = 16  # bytes at each end of an array compared with the array itself, once per process
+
+
+class _Stage(threading.local):
+    """Each thread's two pinned buffers (made at its first staged read)."""
+
+    buffers: list | None = None
+
+
+_stage = _Stage()
+staging_failed: str | None = None  # set once staged bytes are found to differ: host_readable from then on
+
+
+def staged_sources(arrays: dict[str, mx.array]) -> dict[str, Callable[[], Iterator[memoryview]]] | None:
+    """CUDA: for each array, a function giving its bytes in row-major order as
+    chunks the GPU's copy engine copied from where the array lives into this
+    thread's two pinned host buffers in turn (the next chunk's copy under way
+    while the caller uses this one; a chunk is valid until the caller asks for
+    the next). Nothing is copied on the device, no page moves, and the host
+    reads none of the arrays' memory: a batch running beside a spill is slowed
+    far less than by host reads of managed copies (host_readable), which move
+    every page (on an H200, a batch over four 5k-token caches beside the spill
+    of 2.6 GB: 115 ms staged against 161-177 host-read and 97-108 with no
+    spill; the spill itself 0.2 s against 0.4-0.8).
+
+    None where this cannot be done (not CUDA, the runtime or the address kernel
+    unreachable, or staged bytes once found to differ): the caller reads
+    host_readable copies."""
+    rt = runtime()
+    if rt is None or staging_failed is not None or not arrays:
+        return None
+    owned = {name: mx.contiguous(a) for name, a in arrays.items()}  # a view of part of a buffer becomes its own
+    addresses = device_addresses(list(owned.values()))
+    if addresses is None:
+        return None
+    return {
+        name: functools.partial(_staged_chunks, rt, a, at, a.nbytes)  # the partial keeps the array alive
+        for (name, a), at in zip(owned.items(), addresses)
+    }
+
+
+def _staged_chunks(rt, array: mx.array, at: int, nbytes: int) -> Iterator[memoryview]:
+    if _stage.buffers is None:
+        _stage.buffers = [[*rt.pinned(STAGE_BYTES), rt.event()] for _ in range(2)]
+    buffers, waiting = _stage.buffers, None
+    try:
+        for i, offset in enumerate(range(0, nbytes, STAGE_BYTES)):
+            ptr, _, done = buffers[i % 2]
+            n = min(STAGE_BYTES, nbytes - offset)
+            rt.copy_async(ptr, at + offset, n, done)  # into the buffer the caller gave back
+            if waiting is not None:
+                rt.wait(waiting[0][2])
+                yield waiting[0][1][: waiting[1]]
+            waiting = (buffers[i % 2], n)
+        if waiting is not None:
+            rt.wait(waiting[0][2])
+            yield waiting[0][1][: waiting[1]]
+    finally:
+        rt.sync()  # no copy into the buffers is in flight once the caller stops
+
+
+def check_staged(arrays: dict[str, mx.array], ends: dict[str, bytes]) -> None:
+    """Compare the first and last ENDS bytes of each array, as staged, with the
+    array's own (one small gather, read by the host from a new array). A
+    difference turns staging off for this process and raises StagedElsewhere."""
+    global staging_failed
+    probes = []
+    for name in ends:
+        flat = mx.contiguous(arrays[name]).reshape(-1).view(mx.uint8)
+        k = min(ENDS, flat.size)
+        probes += [flat[:k], flat[flat.size - k :]]
+    if not probes:
+        return
+    got = mx.concatenate(probes)
+    mx.eval(got)
+    if bytes(memoryview(got)) != b"".join(ends.values()):
+        staging_failed = "bytes staged from the device differ from the arrays'"
+        log.warning("%s: spills read through host copies from now on", staging_failed)
+        raise StagedElsewhere(staging_failed)
+
+
+class StagedElsewhere(RuntimeError):
+    """The bytes the copy engine staged are not the array's (an address the
+    kernel reported was not where MLX keeps the array)."""
+
+
+_address_kernel = None
+_address_lock = threading.Lock()
+
+
+def device_addresses(arrays: list[mx.array]) -> list[int] | None:
+    """Where each array's memory is, as the GPU sees it: a one-thread kernel
+    given the array as input writes the pointer MLX hands it (row-contiguous
+    arrays are handed as they are, offset included). None where the kernel
+    cannot be built (logged once)."""
+    global _address_kernel
+    with _address_lock:
+        if _address_kernel is None:
+            try:
+                _address_kernel = mx.fast.cuda_kernel(
+                    name="promptstore_array_address",
+                    input_names=["a"],
+                    output_names=["address"],
+                    source="if (blockIdx.x == 0 && threadIdx.x == 0) { address[0] = (uint64_t)a; }",
+                )
+                _run_address_kernel(_address_kernel, [mx.zeros((1,), mx.uint8)])  # built now, not in a spill
+            except Exception as e:  # an MLX without cuda_kernel, or no compiler at hand
+                log.info("spills read through host copies (no address kernel: %s)", e)
+                _address_kernel = False
+        kernel = _address_kernel
+    return _run_address_kernel(kernel, arrays) if kernel else None
+
+
+def _run_address_kernel(kernel, arrays: list[mx.array]) -> list[int]:
+    """Every array is handed as flat bytes (a view: the same memory), so that one
+    build serves them all: MLX builds a kernel again for each input dtype, and a
+    build beside a request stalls it (1.3 s on an H200)."""
+    one = dict(output_shapes=[(1,)], output_dtypes=[mx.uint64], grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    outs = [kernel(inputs=[a.reshape(-1).view(mx.uint8)], **one)[0] if a.nbytes else None for a in arrays]
+    mx.eval([o for o in outs if o is not None])
+    return [int(o.item()) if o is not None else 0 for o in outs]
+
+
+def prepare_staging() -> None:
+    """Build the address kernel now (CUDA; about a second the first time, which
+    a spill beside a request should not spend)."""
+    if runtime() is not None:
+        device_addresses([])
 
 
 def address(array: mx.array) -> int:

@@ -13,7 +13,7 @@ import ctypes
 import errno
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -63,21 +63,37 @@ def encode_header(tensors: Sequence[tuple[str, mx.Dtype, tuple, int]], metadata:
     return len(raw).to_bytes(8, "little") + raw
 
 
+Bytes = memoryview | Callable[[], Iterable[memoryview]]
+
+
 def write_safetensors(
-    fd: int, named: Sequence[tuple[str, mx.array, memoryview]], metadata: dict[str, str], *, durable: bool
+    fd: int, named: Sequence[tuple[str, mx.array, Bytes]], metadata: dict[str, str], *, durable: bool
 ) -> int:
-    """Write arrays (name, array, its row-major bytes as the host reads them) and
-    metadata to the open file `fd`, from its start; returns the bytes written.
+    """Write arrays (name, array, its row-major bytes as the host reads them, or
+    a function giving them in chunks) and metadata to the open file `fd`, from
+    its start; returns the bytes written.
     durable: writeback starts as each stretch is written (the caller fsyncs)."""
-    head = encode_header([(n, a.dtype, a.shape, v.nbytes) for n, a, v in named], metadata)
+    head = encode_header([(n, a.dtype, a.shape, a.nbytes) for n, a, _ in named], metadata)
     written = flushed = 0
-    for data in [memoryview(head), *(v.cast("B") if v.nbytes else v for _, _, v in named)]:
-        for lo in range(0, data.nbytes, WRITE_CHUNK):
-            written += _write_all(fd, data[lo : lo + WRITE_CHUNK])
+    for data in [memoryview(head), *(v for _, _, v in named)]:
+        for chunk in _chunks(data):
+            written += _write_all(fd, chunk)
             if durable and _sync_file_range is not None and written - flushed >= WRITEBACK_BYTES:
                 _sync_file_range(fd, flushed, written - flushed, SYNC_FILE_RANGE_WRITE)  # advisory: fsync checks
                 flushed = written
+    expected = len(head) + sum(a.nbytes for _, a, _ in named)
+    if written != expected:  # a source that gave fewer or more bytes than its array holds
+        raise OSError(errno.EIO, f"wrote {written} bytes where the header describes {expected}")
     return written
+
+
+def _chunks(data: Bytes) -> Iterator[memoryview]:
+    if callable(data):
+        yield from data()
+        return
+    data = data.cast("B") if data.nbytes else data
+    for lo in range(0, data.nbytes, WRITE_CHUNK):
+        yield data[lo : lo + WRITE_CHUNK]
 
 
 def _write_all(fd: int, data: memoryview) -> int:

@@ -1026,3 +1026,104 @@ def test_a_write_releases_the_copies_it_read_whether_it_lands_or_fails(tmp_path,
     with pytest.raises(DiskWriteError):
         put(tier, snaps, key=OTHER_KEY)
     assert released == [released[0], released[0]]
+
+
+class HostCopies:
+    """The CUDA runtime calls a staged spill makes, carried out by the host:
+    pinned() is plain memory, copy_async a memmove (done when it returns)."""
+
+    def __init__(self):
+        self.copies, self._buffers = 0, []
+
+    def pinned(self, nbytes):
+        import ctypes
+
+        buf = (ctypes.c_char * nbytes)()
+        self._buffers.append(buf)
+        return ctypes.addressof(buf), memoryview(buf).cast("B")
+
+    def event(self):
+        return object()
+
+    def copy_async(self, dst, src, nbytes, done):
+        import ctypes
+
+        ctypes.memmove(dst, src, nbytes)
+        self.copies += 1
+
+    def wait(self, event):
+        pass
+
+    def sync(self):
+        pass
+
+
+@pytest.fixture
+def staging(monkeypatch):
+    """Staged spills on this machine: the runtime's copies made by the host, each
+    array's address its host address, chunks of an odd size."""
+    from promptstore.snapshots import device
+
+    rt = HostCopies()
+    monkeypatch.setattr(device, "runtime", lambda: rt)
+    monkeypatch.setattr(device, "device_addresses", lambda arrays: [device.address(a) for a in arrays])
+    monkeypatch.setattr(device, "STAGE_BYTES", 512 + 40)
+    monkeypatch.setattr(device._stage, "buffers", None)
+    monkeypatch.setattr(device, "staging_failed", None)
+    monkeypatch.setattr(cold, "_staged_checked", False)
+    return rt
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_a_staged_spill_writes_the_bytes_a_host_read_spill_writes(tmp_path, staging, monkeypatch, family):
+    """Through the copy engine's chunks (two buffers in turn, an odd tail) a spill
+    writes the very file a spill through host reads writes, and it loads back
+    verified into the same snapshots."""
+    from promptstore.snapshots import device
+
+    snaps = _family_snapshots(family)
+    nbytes = sum(a.nbytes for s in snaps if s is not None for a in s.all_arrays())
+    ref = put(ColdTier(tmp_path / "staged"), snaps)
+    assert staging.copies > 2 * nbytes // device.STAGE_BYTES  # checksums and file, through the stage
+    assert device.staging_failed is None  # the check of both ends found the bytes right
+    monkeypatch.setattr(device, "runtime", lambda: None)
+    plain = put(ColdTier(tmp_path / "plain"), snaps)
+    data = [(tmp_path / root / r.path).read_bytes() for root, r in (("staged", ref), ("plain", plain))]
+    assert data[0] == data[1] and ref.checksum == plain.checksum
+    assert same(load(ColdTier(tmp_path / "staged"), ref.path, snaps), snaps)
+
+
+def test_staged_bytes_that_differ_from_the_arrays_turn_staging_off(tmp_path, staging, monkeypatch, caplog):
+    """Addresses that are not the arrays' (the kernel's pointer was not where MLX
+    keeps them): the first staged spill compares both ends of every array with
+    the array itself, finds the difference, and spills through host reads, as
+    every later spill of the process does. The file holds the arrays' bytes."""
+    from promptstore.snapshots import device
+
+    other = mx.arange(1 << 16, dtype=mx.float32)
+    mx.eval(other)
+    monkeypatch.setattr(device, "device_addresses", lambda arrays: [device.address(other) for _ in arrays])
+    snaps = _family_snapshots("llama")
+    tier = ColdTier(tmp_path / "cold")
+    with caplog.at_level("WARNING", logger="promptstore.snapshots"):
+        ref = put(tier, snaps)
+    assert device.staging_failed and "differ" in caplog.text
+    assert same(load(tier, ref.path, snaps), snaps)
+    copies = staging.copies
+    put(tier, snaps, key=OTHER_KEY)
+    assert staging.copies == copies  # no staging any more
+
+
+def test_a_chunk_source_short_of_its_array_is_refused(tmp_path):
+    """write_safetensors refuses a chunk source that gives fewer bytes than its
+    array holds (OSError, which the tier reports as a DiskWriteError)."""
+    from promptstore.snapshots.safetensors_writer import write_safetensors
+
+    a = mx.arange(1000, dtype=mx.float32)
+    mx.eval(a)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError, match="header describes"):
+            write_safetensors(fd, [("a", a, lambda: iter([memoryview(a).cast("B")[:100]]))], {}, durable=False)
+    finally:
+        os.close(fd)

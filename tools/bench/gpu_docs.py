@@ -11,11 +11,19 @@ from pathlib import Path
 # (file, what the run was); the first of each kind is the one the README quotes.
 COLD_RUNS = (
     ("cold-cuda-run3.json", "third run, a third H100 machine"),
-    ("cold-cuda-short.json", "an H200, the 2k and 8k prefixes only, 15 runs a cell"),
+    (
+        "cold-cuda-short.json",
+        "an H200, the 2k and 8k prefixes only, 15 runs a cell; a restore from one file hands its arrays over uncopied",
+    ),
     ("cold-cuda.json", "second run, a second H100 machine"),
     ("cold-cuda-run1.json", "first run"),
 )
 SERVE_RUNS = (
+    (
+        "serve-cuda-staged.json",
+        "an H200; spills copied to the host by the GPU's copy engine into pinned buffers; restores uncopied",
+    ),
+    ("serve-cuda-staged-2.json", "the same code, a second run on that H200"),
     ("serve-cuda.json", "an H200; requests arriving together prefill together; spill copies leave MLX's buffer cache"),
     ("serve-cuda-2.json", "the same code, a second run on that H200"),
     ("serve-cuda-h200-arrivals.json", "that H200, before spill copies left MLX's buffer cache"),

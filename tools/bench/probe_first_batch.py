@@ -12,6 +12,8 @@ MODE spill [--beside]: batches as in `batch` (kernels warmed by a first one), ea
             checksums) on another thread: none, the copies dropped as they were, or dropped
             through device.release_host_copies. --beside: the read runs beside the batch (as the
             server's spill thread runs beside requests), and one more batch follows it.
+            --staged: the variants none, released and staged (the arrays copied by the copy
+            engine into pinned host buffers and hashed there: staged_hashes, an experiment).
 Options of batch: --warm-prefix N (the server's kernel warm-up first, with N-token prefixes),
 --digest (the weights digest the server makes without --model-id), --clear (mx.clear_cache() after it).
 Llama-3.1-8B's shape with random bfloat16 weights; PROBE_SMALL=1 makes it 2 small layers (a smoke run).
@@ -170,6 +172,55 @@ def prefill_mode():
     out["prefill"] = res
 
 
+STAGE = 16 << 20
+_stage = []
+
+
+def staged_hashes(arrays: dict) -> dict:
+    """The experiment of --staged: each array's bytes copied by the GPU's copy engine
+    from where it lives on the device into two pinned host buffers in turn (the next
+    chunk's copy under way while this one is hashed); no copy on the device, no page
+    moved. An array's device address comes from a one-thread kernel given it as input
+    (the arrays are contiguous owners of their buffers, so MLX passes them as they are)."""
+    import xxhash
+
+    from promptstore.snapshots import device
+
+    rt = device.runtime()
+    if not _stage:
+        _stage.extend([*rt.pinned(STAGE), rt.event()] for _ in range(2))
+    kernel = mx.fast.cuda_kernel(
+        name="probe_array_address",
+        input_names=["a"],
+        output_names=["address"],
+        source="if (blockIdx.x == 0 && threadIdx.x == 0) { address[0] = (uint64_t)a; }",
+    )
+    names = list(arrays)
+    outs = [
+        kernel(inputs=[arrays[n]], output_shapes=[(1,)], output_dtypes=[mx.uint64], grid=(1, 1, 1),
+               threadgroup=(1, 1, 1))[0]
+        for n in names
+    ]  # fmt: skip
+    mx.eval(outs)
+    sums = {}
+    for n, out_ in zip(names, outs):
+        address, nbytes, digest = int(out_.item()), arrays[n].nbytes, xxhash.xxh3_128()
+        waiting = None
+        for i, off in enumerate(range(0, nbytes, STAGE)):
+            ptr, view, done = _stage[i % 2]
+            m = min(STAGE, nbytes - off)
+            rt.copy_async(ptr, address + off, m, done)
+            if waiting is not None:
+                rt.wait(waiting[0][2])
+                digest.update(waiting[0][1][: waiting[1]])
+            waiting = (_stage[i % 2], m)
+        if waiting is not None:
+            rt.wait(waiting[0][2])
+            digest.update(waiting[0][1][: waiting[1]])
+        sums[n] = digest.hexdigest()
+    return sums
+
+
 def spill_mode(beside: bool):
     import threading
 
@@ -181,7 +232,10 @@ def spill_mode(beside: bool):
     lengths = [5096, 5098, 5101, 5097]
     batch(model, lengths, 0)  # kernels
     res = {}
-    for i, variant in enumerate(["none", "dropped", "released", "dropped", "released", "none"]):
+    variants = ["none", "dropped", "released", "dropped", "released", "none"]
+    if "--staged" in sys.argv:
+        variants = ["none", "released", "staged", "released", "staged", "none"]
+    for i, variant in enumerate(variants):
         spill_ms = [0.0]
         worker = None
         if variant != "none":
@@ -195,8 +249,18 @@ def spill_mode(beside: bool):
             }
             del caches
 
-            def spill(arrays=arrays, release=variant == "released", spill_ms=spill_ms):
+            if variant == "staged":
+                arrays = {n: mx.array(a) for n, a in arrays.items()}  # each its own contiguous buffer
+                mx.eval(list(arrays.values()))
+                kept = arrays
+
+            def spill(arrays=arrays, release=variant == "released", spill_ms=spill_ms, staged=variant == "staged"):
                 a = time.perf_counter()
+                if staged:
+                    sums = staged_hashes(arrays)
+                    spill_ms[0] = round((time.perf_counter() - a) * 1000, 1)
+                    spill_ms.append({n: sums[n] for n in list(arrays)[:2]})  # checked after the batches
+                    return
                 copies = device.host_readable(arrays)  # what ColdTier.write reads
                 checksums(copies)
                 if release:
@@ -215,6 +279,10 @@ def spill_mode(beside: bool):
         r.update(variant=variant, spill_ms=spill_ms[0], cache_gb=round(mx.get_cache_memory() / 1e9, 2))
         if beside:
             r["next_first_token_ms"] = batch(model, lengths, 100 * i + 1)["first_token_ms"][0]
+        if variant == "staged":  # the bytes staged are the arrays' bytes
+            first = {n: kept[n] for n in spill_ms[1]}
+            r["staged_bytes_equal"] = checksums(device.host_readable(first)) == spill_ms[1]
+            kept = None
         res.setdefault(variant, []).append(r)
         print(variant, r, flush=True)
     out["spill"] = res
