@@ -487,11 +487,11 @@ class ColdTier:
         staged = device.staged_sources(arrays)  # CUDA: copied to the host by the copy engine
         if staged is not None:
             try:
-                sums = _staged_checksums(arrays, staged)
+                return self._write(node, arrays, metadata, _staged_checksums(arrays, staged), staged)
+            except device.CudaError as e:  # the runtime, not the disk: host reads from now on
+                device.stop_staging(str(e))
             except device.StagedElsewhere:
-                staged = None  # this process spills through host copies from now on
-            else:
-                return self._write(node, arrays, metadata, sums, staged)
+                pass  # staging is off for this process
         arrays = device.host_readable(arrays)  # on CUDA, the hot arrays stay on the device
         try:
             return self._write(node, arrays, metadata, checksums(arrays))
@@ -534,6 +534,9 @@ class ColdTier:
         except OSError as e:
             self._discard(locals().get("temp"))
             raise DiskWriteError(f"could not write {rel}: {e.strerror or e}") from e
+        except BaseException:  # a source failed (device.CudaError): no half-written file stays
+            self._discard(locals().get("temp"))
+            raise
         digest = xxhash.xxh3_128_hexdigest(json.dumps(sums, sort_keys=True).encode())
         return FileRef(rel, size, digest)
 

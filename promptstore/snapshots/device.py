@@ -93,7 +93,7 @@ class _Stage(threading.local):
 
 
 _stage = _Stage()
-staging_failed: str | None = None  # set once staged bytes are found to differ: host_readable from then on
+staging_failed: str | None = None  # why staging stopped (bytes found to differ, a runtime error): host reads since
 
 
 def staged_sources(arrays: dict[str, mx.array]) -> dict[str, Callable[[], Iterator[memoryview]]] | None:
@@ -109,7 +109,7 @@ def staged_sources(arrays: dict[str, mx.array]) -> dict[str, Callable[[], Iterat
     spill; the spill itself 0.2 s against 0.4-0.8).
 
     None where this cannot be done (not CUDA, the runtime or the address kernel
-    unreachable, or staged bytes once found to differ): the caller reads
+    unreachable, or staging stopped in this process): the caller reads
     host_readable copies."""
     rt = runtime()
     if rt is None or staging_failed is not None or not arrays:
@@ -148,7 +148,6 @@ def check_staged(arrays: dict[str, mx.array], ends: dict[str, bytes]) -> None:
     """Compare the first and last ENDS bytes of each array, as staged, with the
     array's own (one small gather, read by the host from a new array). A
     difference turns staging off for this process and raises StagedElsewhere."""
-    global staging_failed
     probes = []
     for name in ends:
         flat = mx.contiguous(arrays[name]).reshape(-1).view(mx.uint8)
@@ -159,9 +158,15 @@ def check_staged(arrays: dict[str, mx.array], ends: dict[str, bytes]) -> None:
     got = mx.concatenate(probes)
     mx.eval(got)
     if bytes(memoryview(got)) != b"".join(ends.values()):
-        staging_failed = "bytes staged from the device differ from the arrays'"
-        log.warning("%s: spills read through host copies from now on", staging_failed)
+        stop_staging("bytes staged from the device differ from the arrays'")
         raise StagedElsewhere(staging_failed)
+
+
+def stop_staging(reason: str) -> None:
+    """Spills of this process read through host copies from now on (logged)."""
+    global staging_failed
+    staging_failed = reason
+    log.warning("%s: spills read through host copies from now on", reason)
 
 
 class StagedElsewhere(RuntimeError):

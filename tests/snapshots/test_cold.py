@@ -1108,10 +1108,11 @@ def test_staged_bytes_that_differ_from_the_arrays_turn_staging_off(tmp_path, sta
     with caplog.at_level("WARNING", logger="promptstore.snapshots"):
         ref = put(tier, snaps)
     assert device.staging_failed and "differ" in caplog.text
-    assert same(load(tier, ref.path, snaps), snaps)
     copies = staging.copies
     put(tier, snaps, key=OTHER_KEY)
     assert staging.copies == copies  # no staging any more
+    monkeypatch.setattr(device, "runtime", lambda: None)  # read back as this machine reads
+    assert same(load(tier, ref.path, snaps), snaps)
 
 
 def test_a_chunk_source_short_of_its_array_is_refused(tmp_path):
@@ -1127,3 +1128,29 @@ def test_a_chunk_source_short_of_its_array_is_refused(tmp_path):
             write_safetensors(fd, [("a", a, lambda: iter([memoryview(a).cast("B")[:100]]))], {}, durable=False)
     finally:
         os.close(fd)
+
+
+def test_a_runtime_error_mid_spill_leaves_no_file_and_turns_staging_off(tmp_path, staging, monkeypatch):
+    """The copy engine refuses a copy while the file is being written: the
+    temporary file goes, the spill is made through host reads (the file holds
+    the arrays' bytes), and this process stages no more."""
+    from promptstore.snapshots import device
+
+    snaps = _family_snapshots("llama")
+    nbytes = sum(a.nbytes for s in snaps if s is not None for a in s.all_arrays())
+    real = staging.copy_async
+    calls = [0]
+
+    def copy_async(dst, src, n, done):
+        calls[0] += 1
+        if calls[0] > nbytes // device.STAGE_BYTES + 3:  # past the checksums, inside the file's writing
+            raise device.CudaError("cudaMemcpyAsync failed (CUDA error 700)")
+        real(dst, src, n, done)
+
+    monkeypatch.setattr(staging, "copy_async", copy_async)
+    tier = ColdTier(tmp_path / "cold")
+    ref = put(tier, snaps)
+    assert device.staging_failed and "CUDA error" in device.staging_failed
+    assert [p.name for p in tier.iter_temp_files()] == []
+    monkeypatch.setattr(device, "runtime", lambda: None)  # read back as this machine reads
+    assert same(load(tier, ref.path, snaps), snaps)
