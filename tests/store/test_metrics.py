@@ -130,3 +130,43 @@ def test_an_empty_model_metrics_has_every_tier():
     empty = ModelMetrics()
     assert empty.hit_rate == 0.0 and empty.prefilled_tokens == 0
     assert set(empty.restored_tokens) == {"hot", "cold", "remote", "computed"}
+
+
+def test_counters_are_written_off_the_request_path(tmp_path, monkeypatch):
+    """Once a second (or every 64 nodes) the gathered counters are written, on
+    the stats thread, not in the fetch that gathered them; flush_stats waits for
+    that write and adds the rest, so nothing is lost or counted twice. A write
+    the index refuses on the stats thread is logged, not raised into a fetch."""
+    import threading
+
+    from promptstore.errors import IndexStoreError
+
+    model = _model("llama")
+    with PromptStore.open(tmp_path, durability="sync") as store:
+        space = store.bind(model, model_id="m")
+        stored(space, model, A)
+        writers, real_bump = [], store.index.bump
+
+        def bump(ns, **deltas):
+            writers.append(threading.current_thread().name)
+            return real_bump(ns, **deltas)
+
+        monkeypatch.setattr(store.index, "bump", bump)
+        space.flush_stats()
+        writers.clear()
+        monkeypatch.setattr(space, "_flushed", 0.0)  # a second has passed
+        assert space.fetch(A).length == len(A) - 1
+        space.fetch(A)
+        space.flush_stats()
+        assert writers[0].startswith("promptstore-stats") and writers[-1] == threading.current_thread().name
+        counts = store.index.counters(space.namespace)
+        assert counts["hits"] == 2
+
+        def refused(ns, **deltas):
+            raise IndexStoreError("the index is full")
+
+        monkeypatch.setattr(store.index, "bump", refused)
+        monkeypatch.setattr(space, "_flushed", 0.0)
+        assert space.fetch(A).length == len(A) - 1  # the fetch is served
+        space._stats_write.result()  # the refusal stayed on the stats thread
+        monkeypatch.setattr(store.index, "bump", bump)
