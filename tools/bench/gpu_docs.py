@@ -20,10 +20,20 @@ COLD_RUNS = (
 )
 SERVE_RUNS = (
     (
+        "serve-cuda-stats-thread.json",
+        "an H200; staged spills, and the advisory counters written on a stats thread, off the request path",
+    ),
+    ("serve-cuda-stats-thread-2.json", "the same code, a second run on that H200"),
+    (
+        "serve-cuda-write-back.json",
+        "staged spills with `--durability write_back` (nothing spilled before the restart), that H200",
+    ),
+    (
         "serve-cuda-staged.json",
         "an H200; spills copied to the host by the GPU's copy engine into pinned buffers; restores uncopied",
     ),
     ("serve-cuda-staged-2.json", "the same code, a second run on that H200"),
+    ("serve-cuda-staged-3.json", "the same code, a third run on that H200"),
     ("serve-cuda.json", "an H200; requests arriving together prefill together; spill copies leave MLX's buffer cache"),
     ("serve-cuda-2.json", "the same code, a second run on that H200"),
     ("serve-cuda-h200-arrivals.json", "that H200, before spill copies left MLX's buffer cache"),
