@@ -174,31 +174,42 @@ class StagedElsewhere(RuntimeError):
     kernel reported was not where MLX keeps the array)."""
 
 
-_address_kernel = None
-_address_lock = threading.Lock()
+_kernels: dict[str, object] = {}
+_kernels_lock = threading.Lock()
+
+
+def kernel_once(name: str, build: Callable[[], object], without: str):
+    """The CUDA kernel `build` makes and runs once, built once per process; None
+    where it cannot be (an MLX without cuda_kernel, or no compiler at hand),
+    logged once as what happens `without` it."""
+    with _kernels_lock:
+        if name not in _kernels:
+            try:
+                _kernels[name] = build()
+            except Exception as e:
+                log.info("%s (no %s kernel: %s)", without, name, e)
+                _kernels[name] = None
+        return _kernels[name]
 
 
 def device_addresses(arrays: list[mx.array]) -> list[int] | None:
     """Where each array's memory is, as the GPU sees it: a one-thread kernel
     given the array as input writes the pointer MLX hands it (row-contiguous
     arrays are handed as they are, offset included). None where the kernel
-    cannot be built (logged once)."""
-    global _address_kernel
-    with _address_lock:
-        if _address_kernel is None:
-            try:
-                _address_kernel = mx.fast.cuda_kernel(
-                    name="promptstore_array_address",
-                    input_names=["a"],
-                    output_names=["address"],
-                    source="if (blockIdx.x == 0 && threadIdx.x == 0) { address[0] = (uint64_t)a; }",
-                )
-                _run_address_kernel(_address_kernel, [mx.zeros((1,), mx.uint8)])  # built now, not in a spill
-            except Exception as e:  # an MLX without cuda_kernel, or no compiler at hand
-                log.info("spills read through host copies (no address kernel: %s)", e)
-                _address_kernel = False
-        kernel = _address_kernel
-    return _run_address_kernel(kernel, arrays) if kernel else None
+    cannot be built."""
+    kernel = kernel_once("promptstore_array_address", _array_address_kernel, "spills read through host copies")
+    return _run_address_kernel(kernel, arrays) if kernel is not None else None
+
+
+def _array_address_kernel():
+    kernel = mx.fast.cuda_kernel(
+        name="promptstore_array_address",
+        input_names=["a"],
+        output_names=["address"],
+        source="if (blockIdx.x == 0 && threadIdx.x == 0) { address[0] = (uint64_t)a; }",
+    )
+    _run_address_kernel(kernel, [mx.zeros((1,), mx.uint8)])  # built now, not in a spill
+    return kernel
 
 
 def _run_address_kernel(kernel, arrays: list[mx.array]) -> list[int]:

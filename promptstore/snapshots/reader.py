@@ -227,37 +227,29 @@ class StagedCopies(_Placement):
         return digest.hexdigest(), ends.value()
 
 
-_kernel = None
-_kernel_lock = threading.Lock()
-
-
 def _address_kernel():
     """The block-and-address kernel (built once; None where it cannot be, logged)."""
-    global _kernel
-    with _kernel_lock:
-        if _kernel is None:
-            try:
-                kernel = mx.fast.cuda_kernel(
-                    name="promptstore_block_address",
-                    input_names=["unused"],
-                    output_names=["block", "address"],
-                    source="if (blockIdx.x == 0 && threadIdx.x == 0) { address[0] = (uint64_t)block; }",
-                )
-                block, address = kernel(
-                    inputs=[mx.array(0, mx.uint8)],
-                    output_shapes=[(256,), (1,)],
-                    output_dtypes=[mx.uint8, mx.uint64],
-                    grid=(1, 1, 1),
-                    threadgroup=(1, 1, 1),
-                )
-                mx.eval(block, address)
-                if not address.item():
-                    raise RuntimeError("the kernel wrote no address")
-                _kernel = kernel
-            except Exception as e:  # an MLX without cuda_kernel, or no compiler at hand
-                log.info("blocks are made in managed memory (no address kernel: %s)", e)
-                _kernel = False
-        return _kernel or None
+    return device.kernel_once("promptstore_block_address", _block_address_kernel, "blocks are made in managed memory")
+
+
+def _block_address_kernel():
+    kernel = mx.fast.cuda_kernel(
+        name="promptstore_block_address",
+        input_names=["unused"],
+        output_names=["block", "address"],
+        source="if (blockIdx.x == 0 && threadIdx.x == 0) { address[0] = (uint64_t)block; }",
+    )
+    block, address = kernel(
+        inputs=[mx.array(0, mx.uint8)],
+        output_shapes=[(256,), (1,)],
+        output_dtypes=[mx.uint8, mx.uint64],
+        grid=(1, 1, 1),
+        threadgroup=(1, 1, 1),
+    )
+    mx.eval(block, address)
+    if not address.item():
+        raise RuntimeError("the kernel wrote no address")
+    return kernel
 
 
 def destination():
