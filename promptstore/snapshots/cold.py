@@ -117,17 +117,19 @@ _staged_checked = False  # whether this process compared staged bytes with the a
 def _staged_checksums(arrays: dict[str, mx.array], staged: dict) -> dict[str, str]:
     """checksum() of every array from its staged chunks. The first time in a
     process, the bytes at both ends of every array are compared with the
-    arrays' own (device.check_staged raises StagedElsewhere on a difference)."""
+    arrays' own: a difference stops staging and raises StagedElsewhere."""
     global _staged_checked
     sums, ends = {}, {}
     for name, chunks in staged.items():
-        digest, end = xxhash.xxh3_128(), reader._Ends()
+        digest, end = xxhash.xxh3_128(), reader.Ends()
         for chunk in chunks():
             digest.update(chunk)
             end.add(chunk)
         sums[name], ends[name] = digest.hexdigest(), end.value()
     if not _staged_checked:
-        device.check_staged(arrays, {n: e for n, e in ends.items() if arrays[n].nbytes})
+        if not reader.ends_match(arrays, {n: e for n, e in ends.items() if arrays[n].nbytes}):
+            device.stop_staging("bytes staged from the device differ from the arrays'")
+            raise device.StagedElsewhere(device.staging_failed)
         _staged_checked = True
     return sums
 

@@ -132,7 +132,7 @@ def test_an_empty_model_metrics_has_every_tier():
     assert set(empty.restored_tokens) == {"hot", "cold", "remote", "computed"}
 
 
-def test_counters_are_written_off_the_request_path(tmp_path, monkeypatch):
+def test_counters_are_written_off_the_request_path(tmp_path, monkeypatch, caplog):
     """Once a second (or every 64 nodes) the gathered counters are written, on
     the stats thread, not in the fetch that gathered them; flush_stats waits for
     that write and adds the rest, so nothing is lost or counted twice. A write
@@ -167,6 +167,8 @@ def test_counters_are_written_off_the_request_path(tmp_path, monkeypatch):
 
         monkeypatch.setattr(store.index, "bump", refused)
         monkeypatch.setattr(space, "_flushed", 0.0)
-        assert space.fetch(A).length == len(A) - 1  # the fetch is served
-        space._stats_write.result()  # the refusal stayed on the stats thread
+        with caplog.at_level("WARNING", logger="promptstore.store"):
+            assert space.fetch(A).length == len(A) - 1  # the fetch is served
+            space._stats_write.result()  # the refusal stayed on the stats thread
+        assert "advisory counters not written: the index is full" in caplog.text
         monkeypatch.setattr(store.index, "bump", bump)

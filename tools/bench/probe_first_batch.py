@@ -13,7 +13,7 @@ MODE spill [--beside]: batches as in `batch` (kernels warmed by a first one), ea
             through device.release_host_copies. --beside: the read runs beside the batch (as the
             server's spill thread runs beside requests), and one more batch follows it.
             --staged: the variants none, released and staged (the arrays copied by the copy
-            engine into pinned host buffers and hashed there: staged_hashes, an experiment).
+            engine into pinned host buffers and hashed there, as ColdTier.write does on CUDA).
 Options of batch: --warm-prefix N (the server's kernel warm-up first, with N-token prefixes),
 --digest (the weights digest the server makes without --model-id), --clear (mx.clear_cache() after it).
 Llama-3.1-8B's shape with random bfloat16 weights; PROBE_SMALL=1 makes it 2 small layers (a smoke run).
@@ -172,52 +172,22 @@ def prefill_mode():
     out["prefill"] = res
 
 
-STAGE = 16 << 20
-_stage = []
-
-
 def staged_hashes(arrays: dict) -> dict:
-    """The experiment of --staged: each array's bytes copied by the GPU's copy engine
-    from where it lives on the device into two pinned host buffers in turn (the next
-    chunk's copy under way while this one is hashed); no copy on the device, no page
-    moved. An array's device address comes from a one-thread kernel given it as input
-    (the arrays are contiguous owners of their buffers, so MLX passes them as they are)."""
+    """--staged: each array's xxh3-128 from the chunks ColdTier.write stages
+    (device.staged_sources: the copy engine into two pinned host buffers, no copy
+    on the device, no page moved). bench-results/probe-spill-staged.log was made
+    by this probe's first version, which built its own address kernel for each
+    input dtype (the 1.3 s of its first staged run)."""
     import xxhash
 
     from promptstore.snapshots import device
 
-    rt = device.runtime()
-    if not _stage:
-        _stage.extend([*rt.pinned(STAGE), rt.event()] for _ in range(2))
-    kernel = mx.fast.cuda_kernel(
-        name="probe_array_address",
-        input_names=["a"],
-        output_names=["address"],
-        source="if (blockIdx.x == 0 && threadIdx.x == 0) { address[0] = (uint64_t)a; }",
-    )
-    names = list(arrays)
-    outs = [
-        kernel(inputs=[arrays[n]], output_shapes=[(1,)], output_dtypes=[mx.uint64], grid=(1, 1, 1),
-               threadgroup=(1, 1, 1))[0]
-        for n in names
-    ]  # fmt: skip
-    mx.eval(outs)
     sums = {}
-    for n, out_ in zip(names, outs):
-        address, nbytes, digest = int(out_.item()), arrays[n].nbytes, xxhash.xxh3_128()
-        waiting = None
-        for i, off in enumerate(range(0, nbytes, STAGE)):
-            ptr, view, done = _stage[i % 2]
-            m = min(STAGE, nbytes - off)
-            rt.copy_async(ptr, address + off, m, done)
-            if waiting is not None:
-                rt.wait(waiting[0][2])
-                digest.update(waiting[0][1][: waiting[1]])
-            waiting = (_stage[i % 2], m)
-        if waiting is not None:
-            rt.wait(waiting[0][2])
-            digest.update(waiting[0][1][: waiting[1]])
-        sums[n] = digest.hexdigest()
+    for name, chunks in device.staged_sources(arrays).items():
+        digest = xxhash.xxh3_128()
+        for chunk in chunks():
+            digest.update(chunk)
+        sums[name] = digest.hexdigest()
     return sums
 
 
@@ -250,8 +220,6 @@ def spill_mode(beside: bool):
             del caches
 
             if variant == "staged":
-                arrays = {n: mx.array(a) for n, a in arrays.items()}  # each its own contiguous buffer
-                mx.eval(list(arrays.values()))
                 kept = arrays
 
             def spill(arrays=arrays, release=variant == "released", spill_ms=spill_ms, staged=variant == "staged"):
