@@ -98,7 +98,7 @@ class StoreCache:
         self.prefill_step = 2048
         self._spaces: dict[tuple, Space] = {}
         self._pending: _Pending | None = None
-        self.last_hit: Hit | None = None  # of the last begin(), for its request's log line
+        self.last_hit: Hit | None = None  # the figures of the last begin()'s hit, for its request's log line
         self._busy: deque[tuple[float, float]] = deque(maxlen=1024)  # store calls on the generation thread
 
     @contextmanager
@@ -161,7 +161,7 @@ class StoreCache:
             with self._timed():
                 hit = self._fetch(tenant, request.prompt, boundaries)
         self._pending = _Pending(request, hit)
-        self.last_hit = hit
+        self.last_hit = hit.figures() if hit is not None else None
         return tracked, (hit.checkpoints if hit is not None else ())
 
     def _fetch(self, tenant: Tenant, tokens: list[int], boundaries) -> Hit | None:

@@ -13,11 +13,9 @@ bytes held in memory (a blob the remote tier fetched) pass the same checks
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import math
-import mmap
 import os
 import secrets
 import stat
@@ -151,51 +149,6 @@ def _row_major_bytes(array: mx.array) -> memoryview:
     flat = mx.contiguous(array)
     mx.eval(flat)
     return memoryview(flat)
-
-
-_libc = None
-
-
-def resident_bytes(path: Path) -> int | None:
-    """Bytes of the file in the page cache (mincore), None where that cannot be told.
-    A read of resident bytes runs at memory speed, of the others at the disk's."""
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.mmap.restype = ctypes.c_void_p
-            _libc.mmap.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_size_t,
-                ctypes.c_int,
-                ctypes.c_int,
-                ctypes.c_int,
-                ctypes.c_long,
-            ]
-            _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except (OSError, AttributeError):
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return 0
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return None
-        try:
-            page = mmap.PAGESIZE
-            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-            if _libc.mincore(addr, size, vec) != 0:
-                return None
-            return min(size, int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) * page)
-        finally:
-            _libc.munmap(addr, size)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def checked_open(path: Path, rel: str) -> tuple[int, dict, dict, int]:

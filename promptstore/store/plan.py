@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from .. import caches as C
 from ..errors import CorruptRecordError
-from ..snapshots.cold import resident_bytes
+from ..snapshots.page_cache import resident_bytes
 
 if TYPE_CHECKING:
     from ..index import Node

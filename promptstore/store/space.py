@@ -12,7 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -88,6 +88,14 @@ class Hit:
     computed: int = 0
     plan: Choice | None = None
     nbytes: int = 0
+
+    def figures(self) -> Hit:
+        """This hit without its cache: what a log line or a metric reads. Kept
+        in place of the hit, it holds no memory of the restore once the caller
+        lets its cache go (a kept cache held a restore's memory, gigabytes on
+        a GPU, until the next fetch, and made that fetch's restore allocate
+        afresh beside it)."""
+        return replace(self, cache=[])
 
 
 def layer_spec(cache: Any, dtype: str) -> LayerSpec:
@@ -173,7 +181,7 @@ class Space:
         self.index, self.tiers, self.settings = index, tiers, settings
         self.model, self.namespace, self.dtype = model, namespace, dtype
         self.cache_kwargs = cache_kwargs
-        self.last_hit: Hit | None = None
+        self.last_hit: Hit | None = None  # the figures of the last counted fetch (no cache: see Hit.figures)
         self._touched: list[bytes] = []
         self._counts: Counter = Counter()
         self._flushed = time.monotonic()
@@ -279,7 +287,7 @@ class Space:
     def _counted(self, hit: Hit, prompt_tokens: int, nodes, **counts) -> Hit:
         """`hit` as this namespace's last, counted in its stats and the store's metrics."""
         self._account(nodes, **counts)
-        self.last_hit = hit
+        self.last_hit = hit.figures()
         self.tiers.meter.fetched(self.model_label, prompt_tokens, hit)
         return hit
 

@@ -6,6 +6,7 @@ from."""
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from promptstore import PromptStore
 from promptstore.store.metrics import ModelMetrics, StoreMetrics
@@ -38,7 +39,7 @@ def test_the_stores_own_fetch_is_not_counted(tmp_path):
         counted = space.fetch(longer)
         before = store.metrics().models["m"]
         own = space.fetch(longer, count=False)
-        assert own.length == counted.length == len(A) and space.last_hit is counted
+        assert own.length == counted.length == len(A) and space.last_hit == counted.figures()
         assert store.metrics().models["m"] == before
         assert space.fetch(A[:1], count=False).length == 0 and store.metrics().models["m"] == before
         space.flush_stats()
@@ -172,3 +173,31 @@ def test_counters_are_written_off_the_request_path(tmp_path, monkeypatch, caplog
             space._stats_write.result()  # the refusal stayed on the stats thread
         assert "advisory counters not written: the index is full" in caplog.text
         monkeypatch.setattr(store.index, "bump", bump)
+
+
+def test_last_hit_keeps_figures_not_the_restored_memory(tmp_path):
+    """A cold hit's arrays are freed when the caller lets its cache go: last_hit
+    holds the hit's figures, not its cache (which held a restore's memory until
+    the next fetch, and made that fetch's restore allocate beside it)."""
+    import gc
+
+    model = _model("llama")
+    with PromptStore.open(tmp_path, durability="sync") as store:
+        stored(store.bind(model, model_id="m"), model, A)
+    with PromptStore.open(tmp_path, hot_bytes=0) as store:
+        space = store.bind(model, model_id="m")
+        longer = mx.concatenate([A, prompt_tokens(3, seed=305)])
+        del space.fetch(longer).cache  # kernels, buffers and rates of a first fetch
+        gc.collect()
+        before = mx.get_active_memory()
+        hit = space.fetch(longer)
+        mx.eval([c.state for c in hit.cache])
+        assert hit.length == len(A) and hit.cold_tokens == len(A)
+        held = mx.get_active_memory() - before
+        arrays = [a for _, a in tree_flatten([c.state for c in hit.cache]) if isinstance(a, mx.array)]
+        assert held >= sum(a.nbytes for a in arrays) > 0
+        del arrays
+        del hit
+        gc.collect()
+        assert mx.get_active_memory() == before
+        assert space.last_hit.length == space.last_hit.cold_tokens == len(A) and space.last_hit.cache == []

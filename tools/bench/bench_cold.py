@@ -47,7 +47,8 @@ from promptstore import PromptStore  # noqa: E402
 from promptstore.caches import make_prompt_cache, snapshot_prompt_cache  # noqa: E402
 from promptstore.identity import NodeId  # noqa: E402
 from promptstore.snapshots import device, reader  # noqa: E402
-from promptstore.snapshots.cold import ColdTier, resident_bytes  # noqa: E402
+from promptstore.snapshots.cold import ColdTier  # noqa: E402
+from promptstore.snapshots.page_cache import resident_bytes  # noqa: E402
 from promptstore.testing.models import tiny_model  # noqa: E402
 
 MODEL_ID = "bench-cold"

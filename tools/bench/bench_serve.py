@@ -35,6 +35,7 @@ from openai import OpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from promptstore.snapshots.page_cache import resident_bytes  # noqa: E402
 from promptstore.testing.model_dir import write_model_dir  # noqa: E402
 from promptstore.testing.tokenizer import CORPUS, demo_tokenizer  # noqa: E402
 
@@ -187,7 +188,7 @@ class Server:
 
     def resident(self) -> dict[str, int]:
         """Bytes in the page cache of each file this process maps (Linux)."""
-        return {path: resident_bytes(path) for path in mapped_files(self.proc.pid)}
+        return {path: resident_bytes(path) or 0 for path in mapped_files(self.proc.pid)}
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -501,32 +502,6 @@ def mapped_files(pid: int) -> list[str]:
         return []
     paths = {line.split(maxsplit=5)[5] for line in lines if len(line.split(maxsplit=5)) == 6}
     return sorted(p for p in paths if p.startswith("/") and not p.startswith(("/dev/", "/proc/", "/sys/")))
-
-
-def resident_bytes(path: str) -> int:
-    """Bytes of a file in the page cache (mincore over a read-only mapping); 0
-    where it cannot be told."""
-    import ctypes
-    import mmap
-
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                return 0
-            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
-                libc = ctypes.CDLL(None, use_errno=True)
-                page = mmap.PAGESIZE
-                vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-                buf = (ctypes.c_char * size).from_buffer(m)
-                try:
-                    if libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec) != 0:
-                        return 0
-                finally:
-                    del buf
-                return sum(v & 1 for v in vec) * page
-    except (OSError, ValueError):
-        return 0
 
 
 def kernel_cache() -> set[str]:
