@@ -59,7 +59,9 @@ def test_the_safetensors_library_reads_it(tmp_path):
             np.testing.assert_array_equal(f.get_tensor(name), np.array(a))
 
 
-def test_writeback_starts_while_the_file_is_written(tmp_path, monkeypatch):
+def test_writeback_starts_while_the_file_is_written_and_never_queues_much(tmp_path, monkeypatch):
+    """Each stretch is handed to the disk once written; before a stretch is
+    handed over, all but the IN_FLIGHT newest ones have been waited for."""
     if W._sync_file_range is None:
         pytest.skip("no sync_file_range on this system")
     calls = []
@@ -67,13 +69,22 @@ def test_writeback_starts_while_the_file_is_written(tmp_path, monkeypatch):
     monkeypatch.setattr(W, "WRITEBACK_BYTES", 1 << 20)
     monkeypatch.setattr(W, "WRITE_CHUNK", 256 << 10)
     monkeypatch.setattr(
-        W, "_sync_file_range", lambda fd, off, n, flags: calls.append((off, n)) or real(fd, off, n, flags)
+        W, "_sync_file_range", lambda fd, off, n, flags: calls.append((off, n, flags)) or real(fd, off, n, flags)
     )
     arrays = {f"a{i}": mx.random.normal((256, 1024)) for i in range(4)}  # 4 MiB
     size = write(tmp_path / "c.safetensors", arrays, {})
-    assert len(calls) >= 3
-    assert calls[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(calls, calls[1:]))  # in order, no gaps
-    assert calls[-1][0] + calls[-1][1] <= size
+    started = [(off, n) for off, n, flags in calls if flags == W.SYNC_FILE_RANGE_WRITE]
+    assert len(started) >= 3
+    assert started[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(started, started[1:]))  # in order, no gaps
+    assert started[-1][0] + started[-1][1] <= size
+    waited = []
+    for off, n, flags in calls:
+        if flags == W.SYNC_FILE_RANGE_WRITE:
+            assert len(waited) <= len(started) and started.index((off, n)) - len(waited) <= W.IN_FLIGHT
+        else:
+            assert flags == W.WAIT_FOR_RANGE and (off, n) == started[len(waited)]  # the oldest, in order
+            waited.append((off, n))
+    assert len(waited) == len(started) - W.IN_FLIGHT
     calls.clear()
     write(tmp_path / "d.safetensors", arrays, {}, durable=False)
     assert calls == []  # a write that is not fsynced leaves flushing to the kernel
