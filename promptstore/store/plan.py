@@ -11,6 +11,7 @@ at the disk's: the plan asks the kernel which are where (mincore).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -65,9 +66,7 @@ class Rates(BaseModel):
     def bytes_per_s(self, kind: str) -> float:
         """The median rate of the samples of `kind` (warm, disk, place), else a prior."""
         samples = getattr(self, kind)
-        if not samples:
-            return PRIOR_BYTES_PER_S[kind]
-        return float(np.median([b / s for b, s in samples]))
+        return _median_rate(tuple(samples)) if samples else PRIOR_BYTES_PER_S[kind]
 
     def read_seconds(self, resident: int, other: int) -> float:
         return resident / self.bytes_per_s("warm") + other / self.bytes_per_s("disk")
@@ -85,13 +84,27 @@ class Rates(BaseModel):
         forward compiling its kernels, are left out); None before any sample."""
         if not self.prefill:
             return None
-        s = np.asarray(self.prefill, dtype=np.float64)
-        x = np.stack([s[:, 1] - s[:, 0], _pairs(s[:, 0], s[:, 1])], axis=1)
-        c = _fit(x, s[:, 2])
-        keep = s[:, 2] <= 2 * (x @ c) + 1e-3
-        if 0 < keep.sum() < len(s):
-            c = _fit(x[keep], s[keep, 2])
-        return float(c[0] * (hi - lo) + c[1] * _pairs(lo, hi))
+        per_token, per_pair = _prefill_fit(tuple(self.prefill))
+        return per_token * (hi - lo) + per_pair * float(_pairs(lo, hi))
+
+
+# Every fetch with cold nodes plans from the same few samples until one is added:
+# the medians and fits are kept per set of samples, not computed at every hit.
+@functools.lru_cache(maxsize=64)
+def _median_rate(samples: tuple[tuple[int, float], ...]) -> float:
+    return float(np.median([b / s for b, s in samples]))
+
+
+@functools.lru_cache(maxsize=64)
+def _prefill_fit(samples: tuple[tuple[int, int, float], ...]) -> tuple[float, float]:
+    """(seconds per token, seconds per million attention pairs) fitted to prefill samples."""
+    s = np.asarray(samples, dtype=np.float64)
+    x = np.stack([s[:, 1] - s[:, 0], _pairs(s[:, 0], s[:, 1])], axis=1)
+    c = _fit(x, s[:, 2])
+    keep = s[:, 2] <= 2 * (x @ c) + 1e-3
+    if 0 < keep.sum() < len(s):
+        c = _fit(x[keep], s[keep, 2])
+    return float(c[0]), float(c[1])
 
 
 def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
