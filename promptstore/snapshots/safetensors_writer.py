@@ -8,10 +8,12 @@ works while the rest is copied and the final fsync waits for the tail only.
 
 And no more than IN_FLIGHT stretches are queued at the disk at a time: the
 writer waits for the oldest before it hands over another (RocksDB's
-strict_bytes_per_sync). Copying into the page cache outruns any disk, and
-without the bound a spill of gigabytes queued all of them at once; every
-fsync meanwhile (the index's commit of an insert, on a server's generation
-thread) waited behind the queue, for 100-240 ms on a GPU host.
+strict_bytes_per_sync), since copying into the page cache outruns any disk
+and a spill of gigabytes would otherwise queue all of them at once, ahead of
+every other write and fsync of the machine. On an H200 host's disk this made
+no measurable difference to an index commit beside a 2.5 GB spill, nor to the
+spill's speed (tools/bench/probe_writeback.py); it bounds the queue where a
+disk is slower.
 """
 
 from __future__ import annotations

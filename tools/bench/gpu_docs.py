@@ -10,15 +10,33 @@ from pathlib import Path
 
 # (file, what the run was); the first of each kind is the one the README quotes.
 COLD_RUNS = (
+    (
+        "cold-cuda.json",
+        "an H200; seven runs a cell at 2k and 8k, the page cache's warm paths run before the dropped ones",
+    ),
+    ("cold-cuda-runs15.json", "the same code on that H200, fifteen runs a cell at 2k and 8k (`--short-runs 15`)"),
+    (
+        "cold-cuda-rotating-order.json",
+        "that H200, the bench's earlier order: auto's warm runs always right after split's drop of the page cache",
+    ),
+    ("cold-cuda-32k.json", "that H200, the 32k prefix alone (`--prefixes 32768`)"),
+    ("cold-cuda-short-2.json", "that H200, the 2k and 8k prefixes only, 15 runs a cell"),
     ("cold-cuda-run3.json", "third run, a third H100 machine"),
     (
         "cold-cuda-short.json",
         "an H200, the 2k and 8k prefixes only, 15 runs a cell; a restore from one file hands its arrays over uncopied",
     ),
-    ("cold-cuda.json", "second run, a second H100 machine"),
+    ("cold-cuda-run2.json", "second run, a second H100 machine"),
     ("cold-cuda-run1.json", "first run"),
 )
 SERVE_RUNS = (
+    (
+        "serve-cuda-bounded-writeback.json",
+        "an H200; a hit's figures kept without its cache, spills keeping two 32 MB stretches queued at the disk",
+    ),
+    ("serve-cuda-bounded-writeback-2.json", "the same code, a second run on that H200"),
+    ("serve-cuda-bounded-writeback-3.json", "the same code, a third run on that H200"),
+    ("serve-cuda-last-hit.json", "that H200, a hit's figures kept without its cache (before the bounded writeback)"),
     (
         "serve-cuda-stats-thread.json",
         "an H200; staged spills, and the advisory counters written on a stats thread, off the request path",
