@@ -6,7 +6,7 @@ read the others (Cake, "Compute Or Load KV Cache? Why Not Both?", arXiv
 2410.03065). The rates that choose are measured per namespace as the store
 runs, each with its work synchronised, and kept in the index, so a restart
 keeps them. A file's bytes in the page cache read at memory speed, the others
-at the disk's: the plan asks the kernel which are where (mincore).
+at the disk's: the plan asks the kernel which are where (snapshots/page_cache.py).
 """
 
 from __future__ import annotations
