@@ -226,6 +226,7 @@ class StoreCache:
             stored, phases = self._insert_rendered(space, reply_of, tokens, held, cache)
         else:
             stored, phases = space.insert(tokens[:held], cache), {}
+        phases.update(space.last_insert_phases())  # the store's part, phase by phase
         phases["total"] = time.perf_counter() - started
         log.info(
             "insert: %d tokens, %d new; %s",

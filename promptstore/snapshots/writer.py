@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -78,8 +79,17 @@ class Writer:
 
     def _do(self, job: SpillJob) -> None:
         try:
+            started = time.perf_counter()
             job.ref = self.cold.write(job.node, job.snapshots)
+            written = time.perf_counter()
             self.publish(job)
+            log.debug(
+                "spill of %s: %.1f MB written in %.1f ms, published in %.1f ms",
+                job.node.key.hex()[:12],
+                job.ref.nbytes / 1e6,
+                (written - started) * 1e3,
+                (time.perf_counter() - written) * 1e3,
+            )
         except DiskWriteError as e:
             job.error = e
             log.warning("spill of %s failed; it stays in memory: %s", job.node.key.hex()[:12], e)

@@ -11,7 +11,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -182,6 +183,7 @@ class Space:
         self.model, self.namespace, self.dtype = model, namespace, dtype
         self.cache_kwargs = cache_kwargs
         self.last_hit: Hit | None = None  # the figures of the last counted fetch (no cache: see Hit.figures)
+        self._inserting = threading.local()  # the phases of the insert under way on each thread
         self._touched: list[bytes] = []
         self._counts: Counter = Counter()
         self._flushed = time.monotonic()
@@ -462,7 +464,9 @@ class Space:
     # --- insert -----------------------------------------------------------------------
 
     def insert(self, tokens, cache: Sequence[Any], prefill_seconds: float | None = None) -> int:
-        """Store what `cache` (holding exactly `tokens`) adds; returns new tokens stored."""
+        """Store what `cache` (holding exactly `tokens`) adds; returns new tokens stored.
+        Where its time went is then `last_insert_phases()` on the same thread."""
+        self._inserting.phases = phases = {}
         toks = self._tokens(tokens)
         self._check_cache(cache)
         position = C.prompt_position(cache)
@@ -473,13 +477,32 @@ class Space:
         stored = 0
         for end, piece, seconds in self._pieces(toks, cache, prefill_seconds):
             stored += self._insert_node(toks[:end], cache, seconds, position, piece)
+        self._inserting.last, self._inserting.phases = phases, None
         return stored
+
+    def last_insert_phases(self) -> dict[str, float]:
+        """Seconds the last insert that returned on this thread spent in each phase:
+        `plan` (reading the trie), `snapshot` (copying the new span out of the cache,
+        on the device), `index` (the index's commit, synced to disk), `hold` (into the
+        hot tier, with evictions and the spill handed to the writer). Empty before one."""
+        return dict(getattr(self._inserting, "last", None) or {})
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            phases = getattr(self._inserting, "phases", None)
+            if phases is not None:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
 
     def _pieces(self, toks: np.ndarray, cache, prefill_seconds: float | None):
         """(end, its snapshots or None, prefill seconds) of each node to insert: one
         for the whole span unless it holds more than `node_bytes`, then a chain of
         nodes ending at multiples of a step (the last at the end of `toks`)."""
-        start, end = self.index.plan_insert(self.namespace, toks).span
+        with self._phase("plan"):
+            start, end = self.index.plan_insert(self.namespace, toks).span
         whole = [(len(toks), None, prefill_seconds)]
         if end - start < 2:
             return whole
@@ -503,7 +526,8 @@ class Space:
         `new` the snapshots of the span planned (made from `cache` when None or
         when the trie changed meanwhile)."""
         for attempt in range(6):
-            plan = self.index.plan_insert(self.namespace, toks)
+            with self._phase("plan"):
+                plan = self.index.plan_insert(self.namespace, toks)
             try:
                 # The last try splits a node whose data is nowhere rather than give up.
                 return self._commit(plan, toks, cache, prefill_seconds, attempt == 5, position, new)
@@ -593,7 +617,8 @@ class Space:
         if new is None and plan.split is None and fill is None:
             return 0
         record = self._record(new, prefill_seconds, end - start) if new is not None else None
-        result = self.tiers.filing.commit_insert(plan, record, split_records)
+        with self._phase("index"):
+            result = self.tiers.filing.commit_insert(plan, record, split_records)
         if len(toks) == position:
             self._count_checkpoint(position, new if new is not None else uppers if plan.split is not None else None)
         if plan.split is not None:
@@ -621,8 +646,9 @@ class Space:
         return {k: v for k, v in counters.items() if k.startswith("checkpoint")}
 
     def _snap_span(self, cache, start: int, end: int) -> list[Snapshot]:
-        snaps = C.snapshot_prompt_cache(cache, start)
-        mx.eval([a for s in snaps for a in s.all_arrays()])
+        with self._phase("snapshot"):
+            snaps = C.snapshot_prompt_cache(cache, start)
+            mx.eval([a for s in snaps for a in s.all_arrays()])
         return snaps
 
     def _record(self, snaps, prefill_seconds, n_tokens) -> NodeRecord:
@@ -681,7 +707,8 @@ class Space:
         node = self._node(node_id.key)
         if node is None or node.id != node_id:
             return
-        self.tiers.put(node_id, snaps, node.record.prefill_seconds if seconds is None else seconds)
+        with self._phase("hold"):
+            self.tiers.put(node_id, snaps, node.record.prefill_seconds if seconds is None else seconds)
 
     def _fill_checkpoint(self, plan, cache):
         """All tokens are stored and end at a node: fill its missing whole-state layers."""

@@ -201,3 +201,40 @@ def test_last_hit_keeps_figures_not_the_restored_memory(tmp_path):
         gc.collect()
         assert mx.get_active_memory() == before
         assert space.last_hit.length == space.last_hit.cold_tokens == len(A) and space.last_hit.cache == []
+
+
+def test_insert_phases_are_the_inserts_own_and_per_thread(tmp_path):
+    """last_insert_phases(): where the last insert on this thread spent its time.
+    An insert that stores a span plans, snapshots, commits and holds it, within its
+    own wall time; one that stores nothing only plans; another thread's inserts
+    leave this thread's figures as they were."""
+    import threading
+    import time
+
+    model = _model("llama")
+    with PromptStore.open(tmp_path, durability="write_back") as store:
+        space = store.bind(model, model_id="m")
+        assert space.last_insert_phases() == {}
+        cache = fresh_cache(model)
+        forward(model, cache, A)
+        started = time.perf_counter()
+        assert space.insert(A, cache) == len(A)
+        wall = time.perf_counter() - started
+        phases = space.last_insert_phases()
+        assert set(phases) == {"plan", "snapshot", "index", "hold"}
+        assert all(v > 0 for v in phases.values()) and sum(phases.values()) <= wall
+
+        assert space.insert(A, cache) == 0  # all stored: nothing to snapshot or commit
+        assert set(space.last_insert_phases()) == {"plan"}
+
+        other = {}
+
+        def insert_b():
+            stored(space, model, B)
+            other.update(space.last_insert_phases())
+
+        thread = threading.Thread(target=insert_b)
+        thread.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive() and set(other) == {"plan", "snapshot", "index", "hold"}
+        assert set(space.last_insert_phases()) == {"plan"}  # this thread's last insert, still

@@ -457,6 +457,7 @@ def main() -> int:
         "promptstore_store_bytes": store_bytes,
         "promptstore_timelines": timelines(work / "ps.log"),
         "promptstore_inserts": inserts(work / "ps.log"),
+        "promptstore_spills": spills(work / "ps.log"),
         "promptstore_restart_log": startup_lines(work / "ps.log"),
         "requests": {name: c.results for name, c in contenders.items()},
         "goals": goals(report),
@@ -559,7 +560,11 @@ def timelines(log: Path) -> list[dict]:
     return out
 
 
-INSERT = re.compile(r"insert: (?P<held>\d+) tokens, (?P<new>\d+) new; (?P<phases>.*)$")
+INSERT = re.compile(r"(?P<at>\d\d:\d\d:\d\d,\d+).*insert: (?P<held>\d+) tokens, (?P<new>\d+) new; (?P<phases>.*)$")
+SPILL = re.compile(
+    r"(?P<at>\d\d:\d\d:\d\d,\d+).*spill of \w+: (?P<mb>[\d.]+) MB written in (?P<write>[\d.]+) ms, "
+    r"published in (?P<publish>[\d.]+) ms"
+)
 
 
 STARTUP = re.compile(r"warm start|GPU runtime libraries|kernel warm-up|model identity|Starting httpd|store closed")
@@ -579,7 +584,20 @@ def inserts(log: Path) -> list[dict]:
         m = INSERT.search(line)
         if m:
             phases = dict(kv.split("=") for kv in m["phases"].split() if "=" in kv)
-            out.append({"tokens": int(m["held"]), "new": int(m["new"]), **{k: float(v) for k, v in phases.items()}})
+            row = {"at": m["at"], "tokens": int(m["held"]), "new": int(m["new"])}
+            out.append({**row, **{k: float(v) for k, v in phases.items()}})
+    return out
+
+
+def spills(log: Path) -> list[dict]:
+    """promptstore serve's spills, when it logs at debug level: when each ended,
+    its size, and its write and publish milliseconds (beside the inserts' times)."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if m := SPILL.search(line):
+            out.append(
+                {"at": m["at"], "mb": float(m["mb"]), "write_ms": float(m["write"]), "publish_ms": float(m["publish"])}
+            )
     return out
 
 
