@@ -392,6 +392,7 @@ class Tiers:
         for job in retry:
             self._submit(SpillJob(job.node, job.snapshots))
         self.writer.flush()
+        self.filing.settle()
         if self.remote is not None:
             self.remote.flush()  # bounded by remote_close_seconds
 
@@ -461,5 +462,6 @@ class Tiers:
     def close(self) -> None:
         self.spill_all()
         self.writer.close()
+        self.filing.settle()
         if self.remote is not None:
             self.remote.close()  # waits (bounded) for queued publishes

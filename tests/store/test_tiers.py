@@ -195,6 +195,38 @@ def test_splitting_a_node_on_disk_leaves_no_orphan_file(tmp_path, model_of):
     assert on_disk == named and len(named) == 3
 
 
+def test_a_split_nodes_old_file_is_removed_off_the_inserting_thread(tmp_path, model_of):
+    """Unlinking a large file the page cache holds takes a tenth of a second: the
+    insert that splits the node returns before its old file is removed (on the
+    removing thread), and flush and close wait for the removal."""
+    import threading
+
+    model = model_of("llama")
+    a = prompt_tokens(60, seed=52)
+    b = mx.concatenate([a[:30], prompt_tokens(30, seed=53)])
+    with PromptStore.open(tmp_path, durability="sync") as store:
+        _fill(store, model, a, [60])
+        (old,) = _files(tmp_path)
+        started, release, removers = threading.Event(), threading.Event(), []
+        delete = store.tiers.cold.delete
+
+        def slow_delete(rel):
+            removers.append(threading.current_thread().name)
+            started.set()
+            assert release.wait(timeout=30)
+            delete(rel)
+
+        store.tiers.cold.delete = slow_delete
+        _fill(store, model, b, [60])  # splits [0, 60) at 30: returns while the removal waits
+        assert started.wait(timeout=30) and old.exists() and removers == ["promptstore-remove_0"]
+        release.set()
+        store.flush()
+        assert not old.exists()
+        space = store.bind(model, model_id="m")
+        named = {n.record.file for n in store.index.iter_nodes(space.namespace)}
+    assert {str(p.relative_to(tmp_path / "cold")) for p in _files(tmp_path)} == named and len(named) == 3
+
+
 def test_a_path_of_cold_nodes_is_read_together_and_stops_at_a_bad_file(tmp_path, model_of):
     model = model_of("llama")
     tokens = prompt_tokens(90)
