@@ -543,19 +543,10 @@ class ColdTier:
             return None
         return dst
 
-    def delete(self, rel: str, gradually: bool = False) -> None:
-        """Remove a file no record names; anything but a file there is quarantined.
-
-        gradually: a file of more than TRUNCATE_STEP bytes is unlinked, then cut
-        down TRUNCATE_STEP at a time before its last descriptor closes. Freeing a
-        large file's blocks at once is one long journal update that every fsync on
-        the filesystem waits for (an index commit beside the unlink of 630 MB: up to
-        51 ms; beside its removal in 8 MB steps: up to 11; RocksDB's DeleteScheduler
-        truncates files in chunks for the same reason)."""
-        path = self.root / rel
+    def delete(self, rel: str) -> None:
+        """Remove a file no record names; anything but a file there is quarantined."""
         try:
-            if not (gradually and _unlink_in_steps(path)):
-                os.unlink(path)
+            os.unlink(self.root / rel)
         except FileNotFoundError:
             pass
         except (IsADirectoryError, PermissionError):  # unlink(2) of a directory: EISDIR, or EPERM
@@ -602,33 +593,6 @@ class ColdTier:
 
     def disk_bytes(self) -> int:
         return sum(size for _, size in self.iter_files())
-
-
-TRUNCATE_STEP = 8 << 20  # bytes freed at a time when a file is removed gradually
-
-
-def _unlink_in_steps(path: Path) -> bool:
-    """Unlink a regular file with no other link and free its blocks TRUNCATE_STEP
-    at a time; False (nothing done) for anything else or a small file."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False  # a link, a directory, a FIFO, a file this process may not write: unlink decides
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_size <= TRUNCATE_STEP:
-            return False
-        os.unlink(path)
-        size = info.st_size
-        try:
-            while size > 0:
-                size = max(0, size - TRUNCATE_STEP)
-                os.ftruncate(fd, size)
-        except OSError as e:  # unlinked all the same: closing frees what is left at once
-            log.debug("%s: cut down to %d bytes, then %s", path.name, size, e)
-        return True
-    finally:
-        os.close(fd)
 
 
 def _is_tag(text: str) -> bool:

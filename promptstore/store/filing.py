@@ -7,9 +7,8 @@ has the identity it was read with, and its record still names the file it named
 then), and a file is removed only after the index transaction that stops naming
 it has committed: a crash in between leaves an orphan for compact, never a
 record that names nothing. On the insert path (a split's old file, a file
-re-filed away) the removal runs on a thread of its own, in steps
-(`ColdTier.delete(gradually=True)`): unlinking a 630 MB file took 120 ms, time
-a generation thread must not wait, and the fsyncs beside it waited too.
+re-filed away) the removal runs on a thread of its own: unlinking a 630 MB file
+the page cache holds takes 120 ms, time a generation thread must not wait.
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ class Filing:
     def _remove(self, doomed: list[str]) -> None:
         for rel in doomed:
             try:
-                self.cold.delete(rel, gradually=True)
+                self.cold.delete(rel)
             except OSError as e:  # an orphan for compact, as after a crash
                 log.warning("could not remove %s, which no record names: %s", rel, e)
 

@@ -1155,38 +1155,3 @@ def test_a_runtime_error_mid_spill_leaves_no_file_and_turns_staging_off(tmp_path
     assert [p.name for p in tier.iter_temp_files()] == []
     monkeypatch.setattr(device, "runtime", lambda: None)  # read back as this machine reads
     assert same(load(tier, ref.path, snaps), snaps)
-
-
-def test_gradual_delete_frees_a_file_in_steps_and_nothing_else(tmp_path, monkeypatch):
-    """delete(gradually=True): a large file is unlinked, then cut down a step at a
-    time; a small file, a link to a file outside, a file with a second name and a
-    directory are handled as delete() handles them (the outside file and the
-    second name keep their bytes; the directory is quarantined)."""
-    monkeypatch.setattr(cold, "TRUNCATE_STEP", 4096)
-    cuts = []
-    ftruncate = os.ftruncate
-    monkeypatch.setattr(os, "ftruncate", lambda fd, size: (cuts.append(size), ftruncate(fd, size))[1])
-    tier = ColdTier(tmp_path / "tier")
-    folder = tier.files / "ab" / "cd"
-    folder.mkdir(parents=True)
-    big, small = folder / "big.safetensors", folder / "small.safetensors"
-    big.write_bytes(os.urandom(3 * 4096 + 100))
-    small.write_bytes(b"x" * 100)
-    outside = tmp_path / "outside.bin"
-    outside.write_bytes(b"o" * 20000)
-    (folder / "link.safetensors").symlink_to(outside)
-    twin = folder / "twin.safetensors"
-    os.link(outside, twin)
-    (folder / "dir.safetensors").mkdir()
-
-    tier.delete("files/ab/cd/big.safetensors", gradually=True)
-    assert not big.exists() and cuts == [8292, 4196, 100, 0]
-    tier.delete("files/ab/cd/small.safetensors", gradually=True)
-    assert not small.exists() and len(cuts) == 4
-    tier.delete("files/ab/cd/link.safetensors", gradually=True)
-    tier.delete("files/ab/cd/twin.safetensors", gradually=True)
-    assert not os.path.lexists(folder / "link.safetensors") and not twin.exists()
-    assert outside.read_bytes() == b"o" * 20000 and len(cuts) == 4
-    tier.delete("files/ab/cd/dir.safetensors", gradually=True)
-    assert not (folder / "dir.safetensors").exists()
-    assert [p.name.split(".safetensors")[0] for p in tier.quarantine_dir.iterdir()] == ["dir"]
