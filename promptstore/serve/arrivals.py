@@ -93,10 +93,11 @@ class ArrivalBudget:
     request that arrives while a batch runs joins it after one step, not after
     the budget. At least one step runs each time, so a waiting request that
     cannot join (the batch drains first) never stops the batch's progress.
+    `before_step` runs before each step (the store's deferred inserts).
     Distributed runs keep mlx-lm's budget: every rank must take the same steps."""
 
-    def __init__(self, budget, requests):
-        self.budget, self.requests = budget, requests
+    def __init__(self, budget, requests, before_step=None):
+        self.budget, self.requests, self.before_step = budget, requests, before_step
         self.distributed = mx.distributed.init().size() > 1
         self.steps = 0
 
@@ -110,5 +111,7 @@ class ArrivalBudget:
     def __next__(self):
         if self.steps > 0 and not self.requests.empty():
             raise StopIteration
+        if self.before_step is not None:
+            self.before_step()  # the previous step's tokens are out by now
         self.steps += 1
         return next(self.budget)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,7 @@ class StoreCache:
         self._pending: _Pending | None = None
         self.last_hit: Hit | None = None  # the figures of the last begin()'s hit, for its request's log line
         self._busy: deque[tuple[float, float]] = deque(maxlen=1024)  # store calls on the generation thread
+        self._deferred: deque = deque()  # inserts handed over by mlx-lm, not yet done (run_deferred)
 
     @contextmanager
     def _timed(self):
@@ -154,6 +156,7 @@ class StoreCache:
         Returns the prompt to hand mlx_lm.server (its lifetime is the request's)
         and the positions where the store asks for checkpoints.
         """
+        self.run_deferred()  # the fetch finds every insert handed over before it
         request = InFlightRequest(tenant, list(prompt), chat)
         tracked: TrackedPrompt = self.inflight.track(request)
         hit = None
@@ -194,18 +197,39 @@ class StoreCache:
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *, cache_type: str = "assistant"):
         """Store what `prompt_cache` (holding `tokens`, or all but the last) adds.
 
+        Who owns the tokens is settled now; the store's work waits for
+        `run_deferred`, which the generation thread calls before its next batch
+        step, before it waits for a request, and before any fetch (so a fetch
+        finds every earlier insert). mlx-lm stores a prompt's cache before it
+        hands out the prompt's first token: deferred, the insert (its index
+        commit, synced to disk) is no part of the time to the first token.
+
         A failed insert is logged and skipped: it must never stop the generation
         thread, and the store leaves itself as it was.
         """
         try:
             with self._timed():
-                self._insert(model, [int(t) for t in tokens], prompt_cache)
+                work = self._prepare_insert(model, [int(t) for t in tokens], prompt_cache)
         except Exception:
             log.exception("insert of %d tokens (%s) not stored", len(tokens), cache_type)
+            return
+        if work is not None:
+            self._deferred.append((work, len(tokens), cache_type))
 
-    def _insert(self, model_key, tokens: list[int], prompt_cache) -> None:
+    def run_deferred(self) -> None:
+        """Do the inserts handed over since the last call, in order (generation thread)."""
+        while self._deferred:
+            work, n_tokens, cache_type = self._deferred.popleft()
+            try:
+                with self._timed():
+                    work()
+            except Exception:
+                log.exception("insert of %d tokens (%s) not stored", n_tokens, cache_type)
+
+    def _prepare_insert(self, model_key, tokens: list[int], prompt_cache) -> Callable[[], None] | None:
+        """The insert of `tokens`, to run later; None if nothing is to be stored."""
         if model_key != self.model_key or not tokens or min(tokens) < 0:
-            return  # another model, or an image prompt's key (negative placeholder ids)
+            return None  # another model, or an image prompt's key (negative placeholder ids)
         owners = self.inflight.owners(tokens)
         tenants = {o.tenant for o in owners}
         if len(tenants) != 1:
@@ -213,14 +237,17 @@ class StoreCache:
             # them in either namespace could hand one tenant's state to the other.
             self.counts["inserts_skipped_ambiguous" if owners else "inserts_skipped_unowned"] += 1
             log.debug("insert of %d tokens skipped: %d tenants in flight share them", len(tokens), len(tenants))
-            return
+            return None
         tenant = tenants.pop()
         cache = C.adopt_prompt_cache(prompt_cache)
         held = self._held(cache, len(tokens))
         if not held:
-            return
+            return None
         reply_of = next((o for o in owners if o.chat is not None and len(tokens) > len(o.prompt)), None)
         space = self._space_for(tenant, cache)
+        return lambda: self._insert(space, reply_of, tokens, held, cache)
+
+    def _insert(self, space: Space, reply_of: InFlightRequest | None, tokens: list[int], held: int, cache) -> None:
         started = time.perf_counter()
         if reply_of is not None and self.reply_tokens == "rendered":
             stored, phases = self._insert_rendered(space, reply_of, tokens, held, cache)

@@ -162,7 +162,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
     def _time_budget(self, budget) -> None:
         # mlx-lm's __init__ sets its TimeBudget (after the request queue, before
         # the generation thread starts): wrap it.
-        self._arrival_budget = ArrivalBudget(budget, self.requests)
+        self._arrival_budget = ArrivalBudget(budget, self.requests, before_step=self._before_step)
 
     @property
     def is_healthy(self) -> bool:
@@ -173,6 +173,14 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         if warming is not None:
             warming.stop(timeout=0)  # a model waiting for it (--warm-start-first) waits no more
         super().stop_and_join()
+        self.store_cache.run_deferred()  # what the last steps handed over (the generation thread is done)
+
+    def _before_step(self) -> None:
+        self.store_cache.run_deferred()  # the inserts the last step handed over, its tokens out
+
+    def _next_request(self, timeout=None):
+        self.store_cache.run_deferred()  # before the loop takes a request or waits for one
+        return super()._next_request(timeout)
 
     def health(self) -> tuple[int, dict]:
         """/health's status and body: 503 "loading" until the model is loaded and

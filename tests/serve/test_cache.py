@@ -35,6 +35,7 @@ def filled(cache, tokens):
 
 
 def stored(cache, tenant, tokens) -> int:
+    cache.run_deferred()  # as the generation thread does before its next step or fetch
     return cache.spaces(tenant)[0].fetch(tokens + [0]).length
 
 
@@ -91,6 +92,26 @@ def test_salts_are_never_written_to_the_store(cache):
     cache.store.close()
     files = [p.read_bytes() for p in cache.store.path.rglob("*") if p.is_file()]
     assert files and not any(t.salt.encode() in f for t in (ALICE, BOB) for f in files)
+
+
+def test_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cache):
+    """insert_cache settles whose tokens they are at once and stores them later:
+    nothing is in the store until run_deferred (before a batch step, a wait for a
+    request, or a fetch), which stores them in order in their owner's namespace,
+    also when the owner's request ended meanwhile."""
+    prompt, longer = list(range(10, 40)), list(range(10, 40)) + [5, 6, 7, 8]
+    alice, _ = cache.begin(ALICE, prompt, None, ())
+    cache.insert_cache(cache.model_key, prompt[:20], filled(cache, prompt[:20]), cache_type="system")
+    cache.insert_cache(cache.model_key, prompt, filled(cache, prompt))
+    space = cache.spaces(ALICE)[0]
+    assert space.fetch(prompt + [0]).length == 0 and len(cache._deferred) == 2
+    del alice  # the request ended before its inserts ran
+    gc.collect()
+    bob, _ = cache.begin(BOB, longer, None, ())  # a fetch: the inserts run first
+    assert not cache._deferred and cache.counts["inserts_skipped_unowned"] == 0
+    assert space.fetch(prompt + [0]).length == len(prompt)
+    assert cache.spaces(BOB)[0].fetch(longer).length == 0  # Alice's, not Bob's
+    assert bob
 
 
 def test_segments_are_cut_at_checkpoints_inside_them():
