@@ -197,23 +197,27 @@ class StoreCache:
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *, cache_type: str = "assistant"):
         """Store what `prompt_cache` (holding `tokens`, or all but the last) adds.
 
-        Who owns the tokens is settled now; the store's work waits for
-        `run_deferred`, which the generation thread calls before its next batch
-        step, before it waits for a request, and before any fetch (so a fetch
-        finds every earlier insert). mlx-lm stores a prompt's cache before it
-        hands out the prompt's first token: deferred, the insert (its index
-        commit, synced to disk) is no part of the time to the first token.
+        Who owns the tokens is settled now. A part of a prompt (mlx-lm stores
+        it at a segment's end, before it hands out the prompt's first token)
+        waits for `run_deferred`, which the generation thread calls before its
+        next batch step, before it waits for a request, and before any fetch
+        (so a fetch finds every earlier insert): the store's work (an index
+        commit synced to disk among it) is no part of the time to the first
+        token. A finished request's insert runs at once: its tokens are out,
+        and the next turn of its conversation, on its way, needs it.
 
         A failed insert is logged and skipped: it must never stop the generation
         thread, and the store leaves itself as it was.
         """
         try:
             with self._timed():
-                work = self._prepare_insert(model, [int(t) for t in tokens], prompt_cache)
+                work, within_prompt = self._prepare_insert(model, [int(t) for t in tokens], prompt_cache)
+                if work is not None and not within_prompt:
+                    work()
         except Exception:
             log.exception("insert of %d tokens (%s) not stored", len(tokens), cache_type)
             return
-        if work is not None:
+        if work is not None and within_prompt:
             self._deferred.append((work, len(tokens), cache_type))
 
     def run_deferred(self) -> None:
@@ -226,10 +230,11 @@ class StoreCache:
             except Exception:
                 log.exception("insert of %d tokens (%s) not stored", n_tokens, cache_type)
 
-    def _prepare_insert(self, model_key, tokens: list[int], prompt_cache) -> Callable[[], None] | None:
-        """The insert of `tokens`, to run later; None if nothing is to be stored."""
+    def _prepare_insert(self, model_key, tokens: list[int], prompt_cache) -> tuple[Callable[[], None] | None, bool]:
+        """The insert of `tokens` (None if nothing is to be stored), and whether
+        the tokens lie within an owner's prompt."""
         if model_key != self.model_key or not tokens or min(tokens) < 0:
-            return None  # another model, or an image prompt's key (negative placeholder ids)
+            return None, False  # another model, or an image prompt's key (negative placeholder ids)
         owners = self.inflight.owners(tokens)
         tenants = {o.tenant for o in owners}
         if len(tenants) != 1:
@@ -237,15 +242,16 @@ class StoreCache:
             # them in either namespace could hand one tenant's state to the other.
             self.counts["inserts_skipped_ambiguous" if owners else "inserts_skipped_unowned"] += 1
             log.debug("insert of %d tokens skipped: %d tenants in flight share them", len(tokens), len(tenants))
-            return None
+            return None, False
         tenant = tenants.pop()
         cache = C.adopt_prompt_cache(prompt_cache)
         held = self._held(cache, len(tokens))
         if not held:
-            return None
+            return None, False
         reply_of = next((o for o in owners if o.chat is not None and len(tokens) > len(o.prompt)), None)
         space = self._space_for(tenant, cache)
-        return lambda: self._insert(space, reply_of, tokens, held, cache)
+        within_prompt = any(len(tokens) <= len(o.prompt) for o in owners)
+        return (lambda: self._insert(space, reply_of, tokens, held, cache)), within_prompt
 
     def _insert(self, space: Space, reply_of: InFlightRequest | None, tokens: list[int], held: int, cache) -> None:
         started = time.perf_counter()

@@ -94,11 +94,12 @@ def test_salts_are_never_written_to_the_store(cache):
     assert files and not any(t.salt.encode() in f for t in (ALICE, BOB) for f in files)
 
 
-def test_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cache):
-    """insert_cache settles whose tokens they are at once and stores them later:
-    nothing is in the store until run_deferred (before a batch step, a wait for a
-    request, or a fetch), which stores them in order in their owner's namespace,
-    also when the owner's request ended meanwhile."""
+def test_prompt_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cache):
+    """insert_cache settles whose tokens they are at once; parts of a prompt are
+    stored later: nothing is in the store until run_deferred (before a batch step,
+    a wait for a request, or a fetch), which stores them in order in their owner's
+    namespace, also when the owner's request ended meanwhile. A finished request's
+    tokens (its prompt and reply) are stored at once."""
     prompt, longer = list(range(10, 40)), list(range(10, 40)) + [5, 6, 7, 8]
     alice, _ = cache.begin(ALICE, prompt, None, ())
     cache.insert_cache(cache.model_key, prompt[:20], filled(cache, prompt[:20]), cache_type="system")
@@ -111,6 +112,9 @@ def test_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cache):
     assert not cache._deferred and cache.counts["inserts_skipped_unowned"] == 0
     assert space.fetch(prompt + [0]).length == len(prompt)
     assert cache.spaces(BOB)[0].fetch(longer).length == 0  # Alice's, not Bob's
+    reply = longer + [9, 9, 9]
+    cache.insert_cache(cache.model_key, reply, filled(cache, reply))
+    assert not cache._deferred and cache.spaces(BOB)[0].fetch(reply + [0]).length == len(reply)
     assert bob
 
 
