@@ -31,6 +31,21 @@ COLD_RUNS = (
 )
 SERVE_RUNS = (
     (
+        "serve-cuda-prompt-deferred.json",
+        "an H200; files no record names removed off the generation thread, a prompt's parts stored after its "
+        "first token",
+    ),
+    ("serve-cuda-prompt-deferred-2.json", "the same code, a second run on an H200"),
+    ("serve-cuda-phases.json", "an H200; each insert's phases timed, before the removals left the generation thread"),
+    ("serve-cuda-removals.json", "an H200; files no record names removed on a thread of their own"),
+    ("serve-cuda-removals-2.json", "the same code, a second run on an H200"),
+    ("serve-cuda-gradual.json", "an H200; those files removed in 8 MB steps (not kept)"),
+    ("serve-cuda-deferred.json", "an H200; every insert after the step's tokens, replies included (not kept)"),
+    (
+        "serve-cuda-generated-replies.json",
+        "an H200; `--reply-tokens generated`: what the rendered reply's prefill costs the steady rounds",
+    ),
+    (
         "serve-cuda-bounded-writeback.json",
         "an H200; a hit's figures kept without its cache, spills keeping two 32 MB stretches queued at the disk",
     ),
