@@ -36,6 +36,7 @@ SERVE_RUNS = (
         "first token",
     ),
     ("serve-cuda-prompt-deferred-2.json", "the same code, a second run on an H200"),
+    ("serve-cuda-prompt-deferred-3.json", "the same code, a third run on an H200"),
     ("serve-cuda-phases.json", "an H200; each insert's phases timed, before the removals left the generation thread"),
     ("serve-cuda-removals.json", "an H200; files no record names removed on a thread of their own"),
     ("serve-cuda-removals-2.json", "the same code, a second run on an H200"),
