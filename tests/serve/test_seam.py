@@ -109,3 +109,15 @@ def test_the_generation_loop_steps_a_batch_under_the_time_budget_it_set_in_init(
     loop = inspect.getsource(mlx_server.ResponseGenerator._generate)
     assert "for _ in self._time_budget:" in loop
     assert loop.index("for _ in self._time_budget:") < loop.index("batch_generator.next()")
+
+
+def test_the_loop_the_deferred_inserts_hook_into():
+    """StoreCache defers a prompt's inserts to the generation loop's next step or
+    request: mlx-lm's loop takes requests through _next_request, steps through
+    the time budget, and stores a prompt's segments before it hands out the
+    step's tokens (the reason for the deferral)."""
+    assert _params(mlx_server.ResponseGenerator._next_request) == ["self", "timeout"]
+    src = inspect.getsource(mlx_server.ResponseGenerator._generate)
+    assert "self._next_request(timeout)" in src and "for _ in self._time_budget:" in src
+    segments, tokens = src.index("batch_generator.extract_cache("), src.index("for r in gen_responses:")
+    assert segments < tokens
