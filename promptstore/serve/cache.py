@@ -212,23 +212,27 @@ class StoreCache:
         try:
             with self._timed():
                 work, within_prompt = self._prepare_insert(model, [int(t) for t in tokens], prompt_cache)
-                if work is not None and not within_prompt:
-                    work()
         except Exception:
             log.exception("insert of %d tokens (%s) not stored", len(tokens), cache_type)
             return
-        if work is not None and within_prompt:
+        if work is None:
+            return
+        if within_prompt:
             self._deferred.append((work, len(tokens), cache_type))
+        else:
+            self._run(work, len(tokens), cache_type)
 
     def run_deferred(self) -> None:
         """Do the inserts handed over since the last call, in order (generation thread)."""
         while self._deferred:
-            work, n_tokens, cache_type = self._deferred.popleft()
-            try:
-                with self._timed():
-                    work()
-            except Exception:
-                log.exception("insert of %d tokens (%s) not stored", n_tokens, cache_type)
+            self._run(*self._deferred.popleft())
+
+    def _run(self, work: Callable[[], None], n_tokens: int, cache_type: str) -> None:
+        try:
+            with self._timed():
+                work()
+        except Exception:
+            log.exception("insert of %d tokens (%s) not stored", n_tokens, cache_type)
 
     def _prepare_insert(self, model_key, tokens: list[int], prompt_cache) -> tuple[Callable[[], None] | None, bool]:
         """The insert of `tokens` (None if nothing is to be stored), and whether

@@ -467,17 +467,20 @@ class Space:
         """Store what `cache` (holding exactly `tokens`) adds; returns new tokens stored.
         Where its time went is then `last_insert_phases()` on the same thread."""
         self._inserting.phases = phases = {}
-        toks = self._tokens(tokens)
-        self._check_cache(cache)
-        position = C.prompt_position(cache)
-        if position != len(toks):
-            raise CacheError(f"the cache holds {position} positions but {len(toks)} tokens were given")
-        if position:
-            self._check_arrays(cache)
-        stored = 0
-        for end, piece, seconds in self._pieces(toks, cache, prefill_seconds):
-            stored += self._insert_node(toks[:end], cache, seconds, position, piece)
-        self._inserting.last, self._inserting.phases = phases, None
+        try:
+            toks = self._tokens(tokens)
+            self._check_cache(cache)
+            position = C.prompt_position(cache)
+            if position != len(toks):
+                raise CacheError(f"the cache holds {position} positions but {len(toks)} tokens were given")
+            if position:
+                self._check_arrays(cache)
+            stored = 0
+            for end, piece, seconds in self._pieces(toks, cache, prefill_seconds):
+                stored += self._insert_node(toks[:end], cache, seconds, position, piece)
+        finally:
+            self._inserting.phases = None  # a failed insert leaves nothing collecting
+        self._inserting.last = phases
         return stored
 
     def last_insert_phases(self) -> dict[str, float]:
