@@ -64,8 +64,10 @@ class Arrivals:
 
     @property
     def pending(self) -> int:
+        """Requests being checked now (a check older than `stale` is not counted)."""
+        now = time.monotonic()
         with self._changed:
-            return len(self._pending)
+            return sum(1 for since in self._pending.values() if now - since <= self.stale)
 
     def gather(self) -> float:
         """Wait for the requests being checked now to be queued; returns the seconds waited."""

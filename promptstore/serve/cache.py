@@ -102,6 +102,11 @@ class StoreCache:
         self.last_hit: Hit | None = None  # the figures of the last begin()'s hit, for its request's log line
         self._busy: deque[tuple[float, float]] = deque(maxlen=1024)  # store calls on the generation thread
         self._deferred: deque = deque()  # inserts handed over by mlx-lm, not yet done (run_deferred)
+        # Finished requests' inserts, done when no request waits for its first
+        # token (run_background); at most this many wait, each holding its cache.
+        self.background = True
+        self.background_limit = 4
+        self._background: deque = deque()
 
     @contextmanager
     def _timed(self):
@@ -197,14 +202,20 @@ class StoreCache:
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *, cache_type: str = "assistant"):
         """Store what `prompt_cache` (holding `tokens`, or all but the last) adds.
 
-        Who owns the tokens is settled now. A part of a prompt (mlx-lm stores
-        it at a segment's end, before it hands out the prompt's first token)
-        waits for `run_deferred`, which the generation thread calls before its
-        next batch step, before it waits for a request, and before any fetch
-        (so a fetch finds every earlier insert): the store's work (an index
-        commit synced to disk among it) is no part of the time to the first
-        token. A finished request's insert runs at once: its tokens are out,
-        and the next turn of its conversation, on its way, needs it.
+        Who owns the tokens is settled now; the store's work (an index commit
+        synced to disk among it) is done later, never inside a request's time to
+        its first token. A part of a prompt (mlx-lm stores it at a segment's
+        end, before it hands out the prompt's first token) waits for
+        `run_deferred`, which the generation thread calls before a batch step
+        once no request waits for its first token, before it waits for a
+        request, and before any fetch (so a fetch finds every earlier part of a
+        prompt). A finished request's insert (its
+        reply, rendered as the next turn will send it, which costs a prefill)
+        waits for `run_background`: when the generation thread has no request
+        to take, or no request in its batch still waits for its first token.
+        The next turn of that conversation, when it comes first, prefills the
+        reply in its own batch and stores it with its prompt; the insert then
+        finds it stored and costs a lookup.
 
         A failed insert is logged and skipped: it must never stop the generation
         thread, and the store leaves itself as it was.
@@ -219,13 +230,35 @@ class StoreCache:
             return
         if within_prompt:
             self._deferred.append((work, len(tokens), cache_type))
-        else:
+        elif not self.background:
             self._run(work, len(tokens), cache_type)
+        else:
+            if len(self._background) >= self.background_limit:
+                self._background.popleft()  # the oldest reply: its next turn re-prefills it, if it comes
+                self.counts["reply_inserts_dropped"] += 1
+                log.debug("a finished request's insert dropped: %d wait already", self.background_limit)
+            self._background.append((work, len(tokens), cache_type))
 
     def run_deferred(self) -> None:
         """Do the inserts handed over since the last call, in order (generation thread)."""
         while self._deferred:
             self._run(*self._deferred.popleft())
+
+    @property
+    def has_background(self) -> bool:
+        return bool(self._background)
+
+    def awaiting_first_token(self) -> bool:
+        """Whether a request in flight has not had its first token handed out."""
+        return self.inflight.awaiting_first_token()
+
+    def run_background(self, n: int | None = None) -> None:
+        """Do up to `n` (all when None) of the finished requests' inserts, oldest
+        first (generation thread), after the parts of prompts handed over before them."""
+        self.run_deferred()
+        while self._background and (n is None or n > 0):
+            self._run(*self._background.popleft())
+            n = None if n is None else n - 1
 
     def _run(self, work: Callable[[], None], n_tokens: int, cache_type: str) -> None:
         try:
@@ -307,6 +340,10 @@ class StoreCache:
         tokens = named[:held]
         common = common_prefix(tokens, rendered)
         t1 = time.perf_counter()
+        if len(rendered) >= 2 and space.restorable_length(rendered) == len(rendered):
+            # Stored meanwhile (the next turn's prompt holds it): nothing to prefill.
+            self.counts["reply_inserts_already_stored"] += 1
+            return 0, {"render": t1 - t0, "lookup": time.perf_counter() - t1}
         if len(rendered) < 2 or common == len(rendered) == len(tokens):
             return space.insert(tokens, cache), {"render": t1 - t0, "store": time.perf_counter() - t1}
         position = min(common, len(tokens))

@@ -147,12 +147,16 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
     def __init__(self, provider: StoreModelProvider, cache: StoreCache, keyring: KeyRing):
         # Set before super().__init__, which starts the generation thread.
         self.store_cache, self.keyring = cache, keyring
+        # Distributed ranks must make the same calls: finished requests' inserts run at once there.
+        cache.background = mx.distributed.init().size() == 1
         args = provider.cli_args
         self.arrivals = Arrivals(bound=args.arrival_wait)
         self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
         self.metrics_access = MetricsAccess(args.metrics, getattr(args, "metrics_key", None), keyring)
         self.metrics_access.warn()
         super().__init__(provider, cache)
+        # Spills pause while a request waits for its first token (at most a second each).
+        cache.store.give_way(lambda: not self._quiet())
 
     @property
     def _time_budget(self):
@@ -173,13 +177,28 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         if warming is not None:
             warming.stop(timeout=0)  # a model waiting for it (--warm-start-first) waits no more
         super().stop_and_join()
-        self.store_cache.run_deferred()  # what the last steps handed over (the generation thread is done)
+        self.store_cache.run_background()  # what the last steps handed over (the generation thread is done)
+
+    def _quiet(self) -> bool:
+        """No request is being checked, queued, or waiting for its first token."""
+        return not self.arrivals.pending and self.requests.empty() and not self.store_cache.awaiting_first_token()
 
     def _before_step(self) -> None:
-        self.store_cache.run_deferred()  # the inserts the last step handed over, its tokens out
+        cache = self.store_cache
+        if cache.awaiting_first_token():
+            return  # parts of prompts wait for the first tokens (a fetch runs them first)
+        cache.run_deferred()
+        if cache.has_background and self._quiet():
+            cache.run_background(1)  # a finished request's, one a step, while the batch only decodes
 
     def _next_request(self, timeout=None):
-        self.store_cache.run_deferred()  # before the loop takes a request or waits for one
+        cache = self.store_cache
+        cache.run_deferred()  # before the loop takes a request or waits for one
+        if timeout is not None and cache.has_background and self._quiet():
+            # Nothing in the batch and nothing to take: a finished request's insert,
+            # then mlx-lm's loop comes back here (a request that came meanwhile goes first).
+            cache.run_background(1)
+            return None
         return super()._next_request(timeout)
 
     def health(self) -> tuple[int, dict]:
@@ -301,10 +320,13 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         produced = 0
         try:
             for response in responses:
-                timeline.setdefault("first", time.perf_counter())
+                if "first" not in timeline:
+                    timeline["first"] = time.perf_counter()
+                    first_token_out(ctx)
                 produced += 1
                 yield response
         finally:
+            first_token_out(ctx)  # or none will come
             timeline["done"] = time.perf_counter()
             prompt, restored = len(ctx.prompt), max(ctx.prompt_cache_count, 0)
             phases = request_phases(timeline, self.store_cache.busy_between)
@@ -324,6 +346,14 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
                 produced,
                 " ".join(f"{k}={v:.1f}" for k, v in phases.items() if k != "ttft_ms"),
             )
+
+
+def first_token_out(ctx) -> None:
+    """Mark the request whose GenerationContext this is as past its first token
+    (the store's background work waits for no request past it)."""
+    request = getattr(getattr(ctx, "prompt", None), "request", None)
+    if request is not None:
+        request.first_out = True
 
 
 def request_phases(timeline: dict, busy_between) -> dict[str, float]:

@@ -86,12 +86,15 @@ class InFlightRequest:
     tenant: Tenant
     prompt: list[int]
     chat: Any = None  # a replies.ChatTurn for chat requests
+    first_out: bool = False  # its first token has been handed out
 
 
 class TrackedPrompt(list):
     """A prompt's tokens, whose lifetime ends its in-flight entry: mlx_lm.server
     keeps the list `_tokenize` returns in the request's GenerationContext for as
     long as it may still call the cache for that request."""
+
+    request: InFlightRequest
 
 
 class InFlight:
@@ -114,6 +117,7 @@ class InFlight:
     def track(self, request: InFlightRequest) -> TrackedPrompt:
         """The prompt to hand mlx_lm.server; `request` is in flight while it lives."""
         tracked = TrackedPrompt(request.prompt)
+        tracked.request = request
         with self._lock:
             self._requests.add(request)
         weakref.finalize(tracked, self._drop, request)
@@ -122,6 +126,11 @@ class InFlight:
     def _drop(self, request: InFlightRequest) -> None:
         with self._lock:
             self._requests.discard(request)
+
+    def awaiting_first_token(self) -> bool:
+        """Whether a request in flight has not had its first token handed out."""
+        with self._lock:
+            return any(not r.first_out for r in self._requests)
 
     def owners(self, tokens: list[int]) -> list[InFlightRequest]:
         """Requests whose prompt and `tokens` agree over their common length."""

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
+from . import pacing
+
 log = logging.getLogger("promptstore.snapshots")
 
 # Where MLX's loader reads cold files (CPU, Apple silicon; CUDA without promptstore's
@@ -129,6 +131,7 @@ def _staged_chunks(rt, array: mx.array, at: int, nbytes: int) -> Iterator[memory
     buffers, waiting = _stage.buffers, None
     try:
         for i, offset in enumerate(range(0, nbytes, STAGE_BYTES)):
+            pacing.wait()  # requests waiting for their first tokens go first
             ptr, _, done = buffers[i % 2]
             n = min(STAGE_BYTES, nbytes - offset)
             rt.copy_async(ptr, at + offset, n, done)  # into the buffer the caller gave back

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 
+from . import pacing
+
 DTYPE_NAMES = {
     mx.bool_: "BOOL",
     mx.uint8: "U8",
@@ -91,6 +93,7 @@ def write_safetensors(
     started: deque[tuple[int, int]] = deque()  # stretches handed to the disk, oldest first
     for data in [memoryview(head), *(v for _, _, v in named)]:
         for chunk in _chunks(data):
+            pacing.wait()  # requests waiting for their first tokens go first
             written += _write_all(fd, chunk)
             if durable and _sync_file_range is not None and written - flushed >= WRITEBACK_BYTES:
                 # Advisory, both: the caller's fsync checks every byte.

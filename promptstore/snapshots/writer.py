@@ -20,6 +20,7 @@ import mlx.core as mx
 from ..caches import Snapshot
 from ..errors import DiskWriteError
 from ..identity import NodeId
+from . import pacing
 from .cold import ColdTier, FileRef
 
 log = logging.getLogger("promptstore.snapshots")
@@ -43,8 +44,15 @@ class Writer:
     ):
         self.cold, self.publish, self.failed = cold, publish, failed
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self._pace: pacing.Pace | None = None
         self.thread = threading.Thread(target=self._run, name="promptstore-writer", daemon=True)
         self.thread.start()
+
+    def give_way(self, busy: Callable[[], bool] | None, at_most: float = 1.0) -> None:
+        """Hold each spill, between its chunks, while `busy()` is true (requests
+        wait for their first tokens), for at most `at_most` seconds per spill;
+        None: never hold. Called from any thread; spills from then on follow it."""
+        self._pace = pacing.Pace(busy, at_most) if busy is not None else None
 
     def submit(self, job: SpillJob) -> SpillJob:
         """Queue a job (blocks while the queue is full)."""
@@ -73,6 +81,10 @@ class Writer:
             try:
                 if job is None:
                     return
+                pace = self._pace
+                if pace is not None:
+                    pace.begin()
+                pacing.install(pace)
                 self._do(job)
             finally:
                 self.queue.task_done()
@@ -83,12 +95,14 @@ class Writer:
             job.ref = self.cold.write(job.node, job.snapshots)
             written = time.perf_counter()
             self.publish(job)
+            pace = pacing.current()
             log.debug(
-                "spill of %s: %.1f MB written in %.1f ms, published in %.1f ms",
+                "spill of %s: %.1f MB written in %.1f ms, published in %.1f ms, held %.1f ms",
                 job.node.key.hex()[:12],
                 job.ref.nbytes / 1e6,
                 (written - started) * 1e3,
                 (time.perf_counter() - written) * 1e3,
+                pace.held * 1e3 if pace is not None else 0.0,
             )
         except DiskWriteError as e:
             job.error = e

@@ -286,6 +286,12 @@ class Space:
         saved = self._saved_by_checkpoint(path[:used], length)
         return self._counted(hit, len(toks), path[:used], hits=1, tokens_served=length, **saved)
 
+    def restorable_length(self, tokens) -> int:
+        """How many leading tokens of `tokens` this namespace could restore (every
+        layer), from the index alone: nothing is read, restored or counted."""
+        toks = self._tokens(tokens)
+        return self.index.lookup(self.namespace, toks).restorable if len(toks) else 0
+
     def _counted(self, hit: Hit, prompt_tokens: int, nodes, **counts) -> Hit:
         """`hit` as this namespace's last, counted in its stats and the store's metrics."""
         self._account(nodes, **counts)

@@ -10,6 +10,7 @@ import fcntl
 import logging
 import os
 import stat
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,12 @@ class PromptStore:
             disk_budget_bytes=self.settings.disk_bytes,
             warm_start=None if self.warming is None else WarmStart(**self.warming.progress()),
         )
+
+    def give_way(self, busy: Callable[[], bool] | None, at_most: float = 1.0) -> None:
+        """Background spills pause between chunks while `busy()` is true (a server:
+        requests wait for their first tokens), at most `at_most` seconds per spill;
+        None: they never pause (the default)."""
+        self.tiers.writer.give_way(busy, at_most)
 
     def flush(self) -> None:
         """Wait for queued spills."""

@@ -69,6 +69,16 @@ def test_a_check_that_fails_releases_its_request_and_a_request_never_queued_boun
     assert arrivals.pending == 0
 
 
+def test_pending_counts_the_checks_under_way_but_not_a_stale_one():
+    arrivals = Arrivals(bound=0.1, stale=0.05)
+    assert arrivals.pending == 0
+    with arrivals.checking() as token:
+        assert arrivals.pending == 1
+        time.sleep(0.1)  # its handler never queued it: counted no more
+        assert arrivals.pending == 0
+        arrivals.done(token)
+
+
 def test_requests_arriving_while_gather_waits_are_not_waited_for():
     arrivals = Arrivals(bound=60)
     returned = threading.Event()

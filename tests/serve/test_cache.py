@@ -11,6 +11,7 @@ from promptstore import PromptStore
 from promptstore import caches as C
 from promptstore.index import namespace
 from promptstore.serve.cache import StoreCache, split_segments
+from promptstore.serve.replies import ChatTurn, rendered_turn
 from promptstore.serve.tenants import Tenant
 
 from .conftest import loaded
@@ -35,7 +36,7 @@ def filled(cache, tokens):
 
 
 def stored(cache, tenant, tokens) -> int:
-    cache.run_deferred()  # as the generation thread does before its next step or fetch
+    cache.run_background()  # as the generation thread does once idle (parts of prompts first)
     return cache.spaces(tenant)[0].fetch(tokens + [0]).length
 
 
@@ -99,7 +100,8 @@ def test_prompt_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cac
     stored later: nothing is in the store until run_deferred (before a batch step,
     a wait for a request, or a fetch), which stores them in order in their owner's
     namespace, also when the owner's request ended meanwhile. A finished request's
-    tokens (its prompt and reply) are stored at once."""
+    tokens (its prompt and reply) wait for run_background: neither a step nor a
+    fetch runs them."""
     prompt, longer = list(range(10, 40)), list(range(10, 40)) + [5, 6, 7, 8]
     alice, _ = cache.begin(ALICE, prompt, None, ())
     cache.insert_cache(cache.model_key, prompt[:20], filled(cache, prompt[:20]), cache_type="system")
@@ -114,8 +116,71 @@ def test_prompt_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cac
     assert cache.spaces(BOB)[0].fetch(longer).length == 0  # Alice's, not Bob's
     reply = longer + [9, 9, 9]
     cache.insert_cache(cache.model_key, reply, filled(cache, reply))
-    assert not cache._deferred and cache.spaces(BOB)[0].fetch(reply + [0]).length == len(reply)
+    cache.run_deferred()
+    cache.begin(BOB, reply + [1], None, ())  # a fetch does not wait for it
+    assert cache.has_background and cache.spaces(BOB)[0].fetch(reply + [0]).length == 0
+    cache.run_background(1)
+    assert not cache.has_background and cache.spaces(BOB)[0].fetch(reply + [0]).length == len(reply)
     assert bob
+
+
+def test_finished_requests_inserts_wait_at_most_the_limit_and_the_oldest_goes(cache):
+    """Each waiting insert holds its request's cache: past background_limit the
+    oldest is dropped (counted), the others are stored oldest first, one per call."""
+    cache.background_limit = 2
+    prompts = [[10 + i] + list(range(20, 40)) for i in range(3)]
+    tracked = [cache.begin(ALICE, p, None, ())[0] for p in prompts]
+    for p in prompts:
+        cache.insert_cache(cache.model_key, p + [7, 7], filled(cache, p + [7, 7]))
+    assert cache.counts["reply_inserts_dropped"] == 1 and len(cache._background) == 2
+    space, n = cache.spaces(ALICE)[0], len(prompts[0]) + 2
+    cache.run_background(1)
+    assert len(cache._background) == 1
+    assert [space.fetch(p + [7, 7, 0]).length for p in prompts] == [0, n, 0]
+    assert [stored(cache, ALICE, p + [7, 7]) for p in prompts] == [0, n, n]
+    assert tracked
+
+
+def test_a_reply_the_next_turn_stored_first_is_not_prefilled_again(cache):
+    """The next turn's prompt holds the rendered reply; stored before the reply's
+    own insert runs, that insert finds it and prefills nothing."""
+    tok = cache.tokenizer
+    messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Hello there"}]
+    prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    turn = ChatTurn(messages, None, {})
+    request, _ = cache.begin(ALICE, prompt, turn, ())
+    generated = [*tok.encode("a short reply", add_special_tokens=False), tok.eos_token_id]
+    named = prompt + generated
+    cache.insert_cache(cache.model_key, named, filled(cache, named[:-1]))
+    rendered = rendered_turn(tok, turn, generated, prompt)
+    next_prompt = rendered + tok.encode(" and then", add_special_tokens=False)
+    cache.spaces(ALICE)[0].insert(next_prompt, C.adopt_prompt_cache(filled(cache, next_prompt)))  # stored first
+    cache.run_background()
+    assert cache.counts["reply_inserts_already_stored"] == 1 and cache.counts["reply_tokens_prefilled"] == 0
+    # Without the next turn first, the reply is prefilled as rendered and stored.
+    other = [{"role": "user", "content": "Something else"}]
+    prompt = list(tok.apply_chat_template(other, add_generation_prompt=True, tokenize=True))
+    turn = ChatTurn(other, None, {})
+    request, _ = cache.begin(ALICE, prompt, turn, ())
+    cache.insert_cache(cache.model_key, prompt + generated, filled(cache, prompt + generated[:-1]))
+    cache.run_background()
+    rendered = rendered_turn(tok, turn, generated, prompt)
+    assert cache.counts["reply_tokens_prefilled"] > 0
+    assert cache.spaces(ALICE)[0].restorable_length(rendered) == len(rendered)
+    assert request
+
+
+def test_requests_await_their_first_token_until_marked_or_gone(cache):
+    assert not cache.awaiting_first_token()
+    tracked, _ = cache.begin(ALICE, list(range(10, 30)), None, ())
+    other, _ = cache.begin(BOB, list(range(40, 60)), None, ())
+    assert cache.awaiting_first_token()
+    tracked.request.first_out = True
+    assert cache.awaiting_first_token()  # Bob's has not
+    del other
+    gc.collect()
+    assert not cache.awaiting_first_token()
+    assert tracked
 
 
 def test_segments_are_cut_at_checkpoints_inside_them():

@@ -113,11 +113,17 @@ def test_the_generation_loop_steps_a_batch_under_the_time_budget_it_set_in_init(
 
 def test_the_loop_the_deferred_inserts_hook_into():
     """StoreCache defers a prompt's inserts to the generation loop's next step or
-    request: mlx-lm's loop takes requests through _next_request, steps through
-    the time budget, and stores a prompt's segments before it hands out the
-    step's tokens (the reason for the deferral)."""
+    request, and finished requests' inserts to an idle loop: mlx-lm's loop takes
+    requests through _next_request, steps through the time budget, and stores a
+    prompt's segments before it hands out the step's tokens (the reason for the
+    deferral)."""
     assert _params(mlx_server.ResponseGenerator._next_request) == ["self", "timeout"]
     src = inspect.getsource(mlx_server.ResponseGenerator._generate)
     assert "self._next_request(timeout)" in src and "for _ in self._time_budget:" in src
     segments, tokens = src.index("batch_generator.extract_cache("), src.index("for r in gen_responses:")
     assert segments < tokens
+    # Finished requests' inserts wait for an idle loop: it asks with a timeout
+    # only when its batch has no request, and comes back when given none.
+    flat = "".join(src.split())
+    assert "timeout=(Noneif(batch_generatorisnotNoneandlen(batch_results)>0)else0.1)" in flat
+    assert "iflen(batch_results)==0:" in flat

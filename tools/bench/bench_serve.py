@@ -563,7 +563,7 @@ def timelines(log: Path) -> list[dict]:
 INSERT = re.compile(r"(?P<at>\d\d:\d\d:\d\d,\d+).*insert: (?P<held>\d+) tokens, (?P<new>\d+) new; (?P<phases>.*)$")
 SPILL = re.compile(
     r"(?P<at>\d\d:\d\d:\d\d,\d+).*spill of \w+: (?P<mb>[\d.]+) MB written in (?P<write>[\d.]+) ms, "
-    r"published in (?P<publish>[\d.]+) ms"
+    r"published in (?P<publish>[\d.]+) ms(?:, held (?P<held>[\d.]+) ms)?"
 )
 
 
@@ -595,9 +595,13 @@ def spills(log: Path) -> list[dict]:
     out = []
     for line in log.read_text(errors="replace").splitlines():
         if m := SPILL.search(line):
-            out.append(
-                {"at": m["at"], "mb": float(m["mb"]), "write_ms": float(m["write"]), "publish_ms": float(m["publish"])}
-            )
+            row = {
+                "at": m["at"],
+                "mb": float(m["mb"]),
+                "write_ms": float(m["write"]),
+                "publish_ms": float(m["publish"]),
+            }
+            out.append(row | ({"held_ms": float(m["held"])} if m["held"] else {}))
     return out
 
 
