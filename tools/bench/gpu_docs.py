@@ -31,6 +31,19 @@ COLD_RUNS = (
 )
 SERVE_RUNS = (
     (
+        "serve-cuda-give-way.json",
+        "an H200; spills give way while requests wait for their first tokens, a prompt's parts stored once "
+        "the first tokens are out, a finished request's insert when the generation thread has nothing to serve",
+    ),
+    ("serve-cuda-give-way-2.json", "the same code, a second run on an H200"),
+    (
+        "serve-cuda-background.json",
+        "an H200; a finished request's insert when the generation thread has nothing to serve (spills not "
+        "giving way, a prompt's parts stored before the next step)",
+    ),
+    ("serve-cuda-background-2.json", "the same code, with queued and arriving requests also going first"),
+    ("serve-cuda-background-3.json", "the same code, a third run on an H200"),
+    (
         "serve-cuda-prompt-deferred.json",
         "an H200; files no record names removed off the generation thread, a prompt's parts stored after its "
         "first token",
