@@ -46,7 +46,7 @@ from mlx_lm.models.cache import save_prompt_cache  # noqa: E402
 from promptstore import PromptStore  # noqa: E402
 from promptstore.caches import make_prompt_cache, snapshot_prompt_cache  # noqa: E402
 from promptstore.identity import NodeId  # noqa: E402
-from promptstore.snapshots import device, reader  # noqa: E402
+from promptstore.snapshots import cold, device, reader  # noqa: E402
 from promptstore.snapshots.cold import ColdTier  # noqa: E402
 from promptstore.snapshots.page_cache import resident_bytes  # noqa: E402
 from promptstore.testing.models import tiny_model  # noqa: E402
@@ -268,6 +268,35 @@ def restore_alone(root: Path, model, tokens, p: Profile, kv_bytes: int, tmp: Pat
         got = mx.load(str(same), stream=stream) if stream is not None else mx.load(str(same))
         mx.eval(list(got.values()))
 
+    def load_then_hash():
+        """The floor of any verified load: mx.load, then xxh3-128 of every array on
+        the store's hashing threads (what a restore checks), no store code around it."""
+        got = mx.load(str(same))
+        mx.eval(list(got.values()))
+        cold.checksums(got)
+
+    hash_pool = ThreadPoolExecutor(1)
+
+    def load_beside_hash():
+        """mx.load while another thread hashes the same bytes from the mapped file:
+        what hashing beside MLX's loader could at best give."""
+        import mmap
+
+        import xxhash
+
+        def hash_file():
+            with open(same, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+                view = memoryview(mapped)
+                try:
+                    return xxhash.xxh3_128_hexdigest(view[8:])
+                finally:
+                    view.release()
+
+        hashed = hash_pool.submit(hash_file)
+        got = mx.load(str(same))
+        mx.eval(list(got.values()))
+        hashed.result()
+
     def load_and_grow():
         """mx.load, then the copy mlx-lm's first decode step makes of a cache loaded
         without room to write (what a restore does up front)."""
@@ -278,6 +307,8 @@ def restore_alone(root: Path, model, tokens, p: Profile, kv_bytes: int, tmp: Pat
         "fetch": lambda: _time(fetch),
         "mx.load": lambda: _time(load),
         "mx.load + first-step copy": lambda: _time(load_and_grow),
+        "mx.load, then its checksums": lambda: _time(load_then_hash),
+        "mx.load beside a hash of the file": lambda: _time(load_beside_hash),
     }
     if device.CUDA:
         paths["mx.load (CPU stream)"] = lambda: _time(lambda: load(mx.cpu))
@@ -304,7 +335,13 @@ def restore_alone(root: Path, model, tokens, p: Profile, kv_bytes: int, tmp: Pat
         "mx_load_gbps": kv_bytes / m / 1e9,
         "mx_load_and_copy_warm": summarize(wall["mx.load + first-step copy"]),
         "restore_vs_mx_load_and_copy": f / float(np.median(wall["mx.load + first-step copy"])),
+        # The floor of a verified load on this host, beside mx.load in the same runs.
+        "mx_load_then_checksums_warm": summarize(wall["mx.load, then its checksums"]),
+        "load_then_checksums_vs_mx_load": float(np.median(wall["mx.load, then its checksums"])) / m,
+        "mx_load_beside_hash_warm": summarize(wall["mx.load beside a hash of the file"]),
+        "load_beside_hash_vs_mx_load": float(np.median(wall["mx.load beside a hash of the file"])) / m,
     }
+    hash_pool.shutdown()
     if "mx.load (CPU stream)" in wall:
         c = float(np.median(wall["mx.load (CPU stream)"]))
         out.update(mx_load_cpu_stream_warm=summarize(wall["mx.load (CPU stream)"]), restore_vs_mx_load_cpu_stream=f / c)
@@ -673,6 +710,11 @@ def print_summary(d: dict) -> None:
         f"page cache dropped {r['restore_gbps_dropped']:.2f} GB/s; vs mx.load and the copy mlx-lm's first step "
         f"makes: {r['restore_vs_mx_load_and_copy']:.2f}x"
     )
+    if "load_then_checksums_vs_mx_load" in r:
+        print(
+            f"the floor of a verified load: mx.load then its checksums {r['load_then_checksums_vs_mx_load']:.2f}x "
+            f"mx.load, mx.load beside a hash of the file {r['load_beside_hash_vs_mx_load']:.2f}x"
+        )
     print("host:", {k: round(v, 2) if isinstance(v, float) else v for k, v in (d["host_limits"] or {}).items()})
     for name, row in d["writes"]["rows"].items():
         print(f"{name:40} {row['median_s'] * 1e3:9.1f} ms {row['gbps']:6.2f} GB/s")
