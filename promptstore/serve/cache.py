@@ -12,7 +12,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
 from .. import caches as C
@@ -24,6 +26,17 @@ from .replies import ChatTurn, common_prefix, rendered_turn
 from .tenants import PUBLIC, InFlight, InFlightRequest, Tenant, TrackedPrompt
 
 log = logging.getLogger("promptstore.serve")
+
+
+def _own_copy(prompt_cache: list) -> None:
+    """Start computing a cache mlx-lm extracted from its batch (a lazy slice of
+    the batch's arrays): once computed it holds its own copy, and the batch's
+    arrays, which the next steps replace, are no longer kept alive by it."""
+    try:
+        arrays = [a for _, a in tree_flatten([c.state for c in prompt_cache]) if isinstance(a, mx.array)]
+        mx.async_eval(arrays)
+    except Exception as e:  # a cache kind without arrays to compute: nothing to start
+        log.debug("extracted cache not computed ahead: %s", e)
 
 
 class ModelPair(nn.Module):
@@ -103,9 +116,17 @@ class StoreCache:
         self._busy: deque[tuple[float, float]] = deque(maxlen=1024)  # store calls on the generation thread
         self._deferred: deque = deque()  # inserts handed over by mlx-lm, not yet done (run_deferred)
         # Finished requests' inserts, done when no request waits for its first
-        # token (run_background); at most this many wait, each holding its cache.
+        # token (run_background); at most this many wait, each holding its
+        # cache (the server sets it to its batch's size, --decode-concurrency).
         self.background = True
-        self.background_limit = 4
+        self.background_limit = 32
+        # Whether a request runs the waiting insert of its own conversation's last
+        # reply before its fetch. mlx-lm pads a batch's prompts to the longest, so a
+        # next turn that prefills its previous reply makes every prompt of its batch
+        # that long: on CPU that multiplies the batch's prefill (a round of six
+        # chats on 2 cores: 550 ms to the first tokens against 165); on a GPU those
+        # tokens cost little beside the reply's own prefill, one request at a time.
+        self.replies_before_fetch = mx.default_device() == mx.cpu
         self._background: deque = deque()
 
     @contextmanager
@@ -161,7 +182,9 @@ class StoreCache:
         Returns the prompt to hand mlx_lm.server (its lifetime is the request's)
         and the positions where the store asks for checkpoints.
         """
-        self.run_deferred()  # the fetch finds every insert handed over before it
+        self.run_deferred()  # the fetch finds every part of a prompt handed over before it
+        if self.replies_before_fetch:
+            self._run_replies_of(list(prompt))  # and its own conversation's last reply
         request = InFlightRequest(tenant, list(prompt), chat)
         tracked: TrackedPrompt = self.inflight.track(request)
         hit = None
@@ -213,23 +236,27 @@ class StoreCache:
         reply, rendered as the next turn will send it, which costs a prefill)
         waits for `run_background`: when the generation thread has no request
         to take, or no request in its batch still waits for its first token.
-        The next turn of that conversation, when it comes first, prefills the
-        reply in its own batch and stores it with its prompt; the insert then
-        finds it stored and costs a lookup.
+        The next turn of that conversation, when it comes first, runs it
+        before its fetch where `replies_before_fetch` (CPU); elsewhere it
+        prefills the reply in its own batch and stores it with its prompt, and
+        the insert then finds it stored and costs a lookup.
 
         A failed insert is logged and skipped: it must never stop the generation
         thread, and the store leaves itself as it was.
         """
         try:
             with self._timed():
-                work, within_prompt = self._prepare_insert(model, [int(t) for t in tokens], prompt_cache)
+                work, within_prompt, owners = self._prepare_insert(model, [int(t) for t in tokens], prompt_cache)
         except Exception:
             log.exception("insert of %d tokens (%s) not stored", len(tokens), cache_type)
             return
         if work is None:
             return
         if within_prompt:
-            self._deferred.append((work, len(tokens), cache_type))
+            if any(owners & waiting for *_, waiting in self._deferred):
+                self.run_deferred()  # at most one part of each request's prompt waits
+            _own_copy(prompt_cache)  # so that what waits holds its request's arrays, not the batch's
+            self._deferred.append((work, len(tokens), cache_type, owners))
         elif not self.background:
             self._run(work, len(tokens), cache_type)
         else:
@@ -237,12 +264,13 @@ class StoreCache:
                 self._background.popleft()  # the oldest reply: its next turn re-prefills it, if it comes
                 self.counts["reply_inserts_dropped"] += 1
                 log.debug("a finished request's insert dropped: %d wait already", self.background_limit)
-            self._background.append((work, len(tokens), cache_type))
+            asked = min(len(o.prompt) for o in owners)  # the finished request's prompt
+            self._background.append((work, len(tokens), cache_type, list(tokens[:asked])))
 
     def run_deferred(self) -> None:
         """Do the inserts handed over since the last call, in order (generation thread)."""
         while self._deferred:
-            self._run(*self._deferred.popleft())
+            self._run(*self._deferred.popleft()[:3])
 
     @property
     def has_background(self) -> bool:
@@ -257,8 +285,16 @@ class StoreCache:
         first (generation thread), after the parts of prompts handed over before them."""
         self.run_deferred()
         while self._background and (n is None or n > 0):
-            self._run(*self._background.popleft())
+            self._run(*self._background.popleft()[:3])
             n = None if n is None else n - 1
+
+    def _run_replies_of(self, prompt: list[int]) -> None:
+        """Run the waiting inserts of the conversations `prompt` goes on with (their
+        finished request's prompt is a prefix of it), oldest first."""
+        own = [item for item in self._background if prompt[: len(item[3])] == item[3]]
+        for item in own:
+            self._background.remove(item)
+            self._run(*item[:3])
 
     def _run(self, work: Callable[[], None], n_tokens: int, cache_type: str) -> None:
         try:
@@ -267,11 +303,12 @@ class StoreCache:
         except Exception:
             log.exception("insert of %d tokens (%s) not stored", n_tokens, cache_type)
 
-    def _prepare_insert(self, model_key, tokens: list[int], prompt_cache) -> tuple[Callable[[], None] | None, bool]:
-        """The insert of `tokens` (None if nothing is to be stored), and whether
-        the tokens lie within an owner's prompt."""
+    def _prepare_insert(self, model_key, tokens: list[int], prompt_cache):
+        """The insert of `tokens` (None if nothing is to be stored), whether the
+        tokens lie within an owner's prompt, and the requests that own them."""
+        nothing = None, False, frozenset()
         if model_key != self.model_key or not tokens or min(tokens) < 0:
-            return None, False  # another model, or an image prompt's key (negative placeholder ids)
+            return nothing  # another model, or an image prompt's key (negative placeholder ids)
         owners = self.inflight.owners(tokens)
         tenants = {o.tenant for o in owners}
         if len(tenants) != 1:
@@ -279,16 +316,16 @@ class StoreCache:
             # them in either namespace could hand one tenant's state to the other.
             self.counts["inserts_skipped_ambiguous" if owners else "inserts_skipped_unowned"] += 1
             log.debug("insert of %d tokens skipped: %d tenants in flight share them", len(tokens), len(tenants))
-            return None, False
+            return nothing
         tenant = tenants.pop()
         cache = C.adopt_prompt_cache(prompt_cache)
         held = self._held(cache, len(tokens))
         if not held:
-            return None, False
+            return nothing
         reply_of = next((o for o in owners if o.chat is not None and len(tokens) > len(o.prompt)), None)
         space = self._space_for(tenant, cache)
         within_prompt = any(len(tokens) <= len(o.prompt) for o in owners)
-        return (lambda: self._insert(space, reply_of, tokens, held, cache)), within_prompt
+        return (lambda: self._insert(space, reply_of, tokens, held, cache)), within_prompt, frozenset(owners)
 
     def _insert(self, space: Space, reply_of: InFlightRequest | None, tokens: list[int], held: int, cache) -> None:
         started = time.perf_counter()

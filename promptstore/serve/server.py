@@ -150,6 +150,8 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         # Distributed ranks must make the same calls: finished requests' inserts run at once there.
         cache.background = mx.distributed.init().size() == 1
         args = provider.cli_args
+        # Each waiting insert holds its finished request's cache: no more than the batch held.
+        cache.background_limit = max(1, args.decode_concurrency)
         self.arrivals = Arrivals(bound=args.arrival_wait)
         self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
         self.metrics_access = MetricsAccess(args.metrics, getattr(args, "metrics_key", None), keyring)
@@ -173,6 +175,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         return self.generation_available() and self.model_provider.ready
 
     def stop_and_join(self) -> None:
+        self.store_cache.store.give_way(None)  # no request will be served: spills go at their pace
         warming = self.store_cache.store.warming
         if warming is not None:
             warming.stop(timeout=0)  # a model waiting for it (--warm-start-first) waits no more

@@ -99,16 +99,22 @@ def test_prompt_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cac
     """insert_cache settles whose tokens they are at once; parts of a prompt are
     stored later: nothing is in the store until run_deferred (before a batch step,
     a wait for a request, or a fetch), which stores them in order in their owner's
-    namespace, also when the owner's request ended meanwhile. A finished request's
-    tokens (its prompt and reply) wait for run_background: neither a step nor a
-    fetch runs them."""
+    namespace, also when the owner's request ended meanwhile. At most one part of
+    each request waits: its next part runs it first. A finished request's tokens
+    (its prompt and reply) wait for run_background: neither a step nor a fetch
+    runs them."""
     prompt, longer = list(range(10, 40)), list(range(10, 40)) + [5, 6, 7, 8]
     alice, _ = cache.begin(ALICE, prompt, None, ())
+    carol, _ = cache.begin(ALICE, [3, 3] + prompt, None, ())  # another request of the same tenant
     cache.insert_cache(cache.model_key, prompt[:20], filled(cache, prompt[:20]), cache_type="system")
-    cache.insert_cache(cache.model_key, prompt, filled(cache, prompt))
+    theirs = ([3, 3] + prompt)[:7]
+    cache.insert_cache(cache.model_key, theirs, filled(cache, theirs), cache_type="system")
     space = cache.spaces(ALICE)[0]
-    assert space.fetch(prompt + [0]).length == 0 and len(cache._deferred) == 2
-    del alice  # the request ended before its inserts ran
+    assert space.fetch(prompt + [0]).length == 0 and len(cache._deferred) == 2  # one of each request
+    cache.insert_cache(cache.model_key, prompt, filled(cache, prompt))  # Alice's next part
+    assert space.fetch(prompt[:20] + [0]).length == 20 and len(cache._deferred) == 1
+    assert space.fetch(prompt + [0]).length == 20
+    del alice, carol  # the requests ended before the last insert ran
     gc.collect()
     bob, _ = cache.begin(BOB, longer, None, ())  # a fetch: the inserts run first
     assert not cache._deferred and cache.counts["inserts_skipped_unowned"] == 0
@@ -117,11 +123,29 @@ def test_prompt_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cac
     reply = longer + [9, 9, 9]
     cache.insert_cache(cache.model_key, reply, filled(cache, reply))
     cache.run_deferred()
+    cache.replies_before_fetch = False
     cache.begin(BOB, reply + [1], None, ())  # a fetch does not wait for it
     assert cache.has_background and cache.spaces(BOB)[0].fetch(reply + [0]).length == 0
     cache.run_background(1)
     assert not cache.has_background and cache.spaces(BOB)[0].fetch(reply + [0]).length == len(reply)
     assert bob
+
+
+def test_with_replies_before_fetch_a_next_turn_runs_its_own_conversations_reply_first(cache):
+    """Where a batch's padding makes a reply prefilled in the next turn's batch
+    dear (CPU), the next turn's fetch runs its own conversation's waiting insert
+    first; another conversation's still waits."""
+    cache.replies_before_fetch = True
+    mine, other = list(range(10, 40)), list(range(50, 80))
+    tracked = [cache.begin(ALICE, p, None, ())[0] for p in (mine, other)]
+    for p in (mine, other):
+        cache.insert_cache(cache.model_key, p + [7, 7], filled(cache, p + [7, 7]))
+    assert len(cache._background) == 2
+    nxt = mine + [7, 7, 5, 6]
+    cache.begin(ALICE, nxt, None, ())
+    assert cache.last_hit.length == len(mine) + 2  # the reply was stored before the fetch
+    assert len(cache._background) == 1 and cache.spaces(ALICE)[0].fetch(other + [7, 7, 0]).length == 0
+    assert tracked
 
 
 def test_finished_requests_inserts_wait_at_most_the_limit_and_the_oldest_goes(cache):
