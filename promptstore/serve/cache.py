@@ -232,14 +232,14 @@ class StoreCache:
         `run_deferred`, which the generation thread calls before a batch step
         once no request waits for its first token, before it waits for a
         request, and before any fetch (so a fetch finds every earlier part of a
-        prompt). A finished request's insert (its
-        reply, rendered as the next turn will send it, which costs a prefill)
-        waits for `run_background`: when the generation thread has no request
-        to take, or no request in its batch still waits for its first token.
-        The next turn of that conversation, when it comes first, runs it
-        before its fetch where `replies_before_fetch` (CPU); elsewhere it
-        prefills the reply in its own batch and stores it with its prompt, and
-        the insert then finds it stored and costs a lookup.
+        prompt); at most one part of each request waits. A finished request's
+        insert (its reply, rendered as the next turn will send it, which costs
+        a prefill) waits for `run_background`: when the generation thread has
+        no request to take, or no request in its batch still waits for its
+        first token. The next turn of that conversation, when it comes first,
+        runs it before its fetch where `replies_before_fetch` (CPU); elsewhere
+        it prefills the reply in its own batch and stores it with its prompt,
+        and the insert then finds it stored and costs a lookup.
 
         A failed insert is logged and skipped: it must never stop the generation
         thread, and the store leaves itself as it was.
