@@ -53,8 +53,9 @@ def test_a_spill_is_held_at_most_its_bound_and_never_in_a_sync_write(tmp_path):
     with PromptStore.open(tmp_path / "sync", durability="sync") as store:
         store.give_way(lambda: True, at_most=60)
         space = store.bind(model, model_id="tiny-llama")
-        _insert(space, model, seed=3)  # written on this thread: no pace here
-        assert _files(store) == 1 and pacing.current() is None
+        started = time.monotonic()
+        _insert(space, model, seed=3)  # written on this thread: no pace here (held, it would take 60 s)
+        assert _files(store) == 1 and time.monotonic() - started < 30 and pacing.current() is None
 
 
 def test_a_pace_that_fails_does_not_hold_a_spill():

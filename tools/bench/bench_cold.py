@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import mmap
 import os
 import shutil
 import subprocess
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import blas_info, blas_warning, summarize, write_results  # noqa: E402
@@ -280,9 +282,6 @@ def restore_alone(root: Path, model, tokens, p: Profile, kv_bytes: int, tmp: Pat
     def load_beside_hash():
         """mx.load while another thread hashes the same bytes from the mapped file:
         what hashing beside MLX's loader could at best give."""
-        import mmap
-
-        import xxhash
 
         def hash_file():
             with open(same, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mapped:
