@@ -124,9 +124,10 @@ class StoreCache:
         # reply before its fetch. mlx-lm pads a batch's prompts to the longest, so a
         # next turn that prefills its previous reply makes every prompt of its batch
         # that long: on CPU that multiplies the batch's prefill (a round of six
-        # chats on 2 cores: 550 ms to the first tokens against 165); on a GPU those
-        # tokens cost little beside the reply's own prefill, one request at a time.
-        self.replies_before_fetch = mx.default_device() == mx.cpu
+        # chats on 2 cores: 550 ms to the first tokens against 165); on an H200 a
+        # batch of four ~5k-token chats padded from ~19 to ~69 new tokens took
+        # 60-100 ms longer, a reply's insert alone 25-50 ms (docs/serve.md).
+        self.replies_before_fetch = True
         self._background: deque = deque()
 
     @contextmanager
@@ -237,9 +238,9 @@ class StoreCache:
         a prefill) waits for `run_background`: when the generation thread has
         no request to take, or no request in its batch still waits for its
         first token. The next turn of that conversation, when it comes first,
-        runs it before its fetch where `replies_before_fetch` (CPU); elsewhere
-        it prefills the reply in its own batch and stores it with its prompt,
-        and the insert then finds it stored and costs a lookup.
+        runs it before its fetch (`replies_before_fetch`); without that, it
+        prefills the reply in its own batch and stores it with its prompt, and
+        the insert then finds it stored and costs a lookup.
 
         A failed insert is logged and skipped: it must never stop the generation
         thread, and the store leaves itself as it was.

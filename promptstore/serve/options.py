@@ -120,6 +120,14 @@ def _add_options(group) -> None:
         "the next turn (default), or the tokens as generated (mlx_lm.server's way)",
     )
     group.add_argument(
+        "--reply-before-fetch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a chat's next turn first stores its previous reply (when that still waits) and then fetches, so "
+        "its batch does not prefill the reply (mlx-lm pads a batch's prompts to the longest). Default: on; "
+        "--no-reply-before-fetch lets the batch prefill it (docs/serve.md)",
+    )
+    group.add_argument(
         "--kernel-warm-up",
         action=argparse.BooleanOptionalAction,
         default=True,

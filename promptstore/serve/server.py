@@ -152,6 +152,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         args = provider.cli_args
         # Each waiting insert holds its finished request's cache: no more than the batch held.
         cache.background_limit = max(1, args.decode_concurrency)
+        cache.replies_before_fetch = args.reply_before_fetch
         self.arrivals = Arrivals(bound=args.arrival_wait)
         self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
         self.metrics_access = MetricsAccess(args.metrics, getattr(args, "metrics_key", None), keyring)

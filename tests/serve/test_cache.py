@@ -132,10 +132,11 @@ def test_prompt_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cac
 
 
 def test_with_replies_before_fetch_a_next_turn_runs_its_own_conversations_reply_first(cache):
-    """Where a batch's padding makes a reply prefilled in the next turn's batch
-    dear (CPU), the next turn's fetch runs its own conversation's waiting insert
-    first; another conversation's still waits."""
-    cache.replies_before_fetch = True
+    """A batch's padding makes a reply prefilled in the next turn's batch dear
+    (every prompt of the batch grows to its length): the next turn's fetch runs
+    its own conversation's waiting insert first (the default); another
+    conversation's still waits."""
+    assert cache.replies_before_fetch
     mine, other = list(range(10, 40)), list(range(50, 80))
     tracked = [cache.begin(ALICE, p, None, ())[0] for p in (mine, other)]
     for p in (mine, other):

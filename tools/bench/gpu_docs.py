@@ -31,6 +31,21 @@ COLD_RUNS = (
 )
 SERVE_RUNS = (
     (
+        "serve-cuda-reply-first.json",
+        "an H200; a chat's next turn stores its previous reply before its fetch (`--reply-before-fetch`, the "
+        "default since), and at most one part of each request's prompt waits",
+    ),
+    ("serve-cuda-reply-first-2.json", "the same code (the default), a second run, on a freshly started H200"),
+    (
+        "serve-cuda-batch-prefills-reply.json",
+        "the H200 of serve-cuda-reply-first.json, in the same call before it: the batch prefills a reply not yet "
+        "stored (the GPU's default then, `--no-reply-before-fetch` since)",
+    ),
+    (
+        "serve-cuda-batch-prefills-reply-2.json",
+        "`--no-reply-before-fetch`, the H200 of serve-cuda-reply-first-2.json, in the same call after it",
+    ),
+    (
         "serve-cuda-give-way.json",
         "an H200; spills give way while requests wait for their first tokens, a prompt's parts stored once "
         "the first tokens are out, a finished request's insert when the generation thread has nothing to serve",
