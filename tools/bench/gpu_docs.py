@@ -36,6 +36,7 @@ SERVE_RUNS = (
         "default since), and at most one part of each request's prompt waits",
     ),
     ("serve-cuda-reply-first-2.json", "the same code (the default), a second run, on a freshly started H200"),
+    ("serve-cuda-reply-first-3.json", "the same code (the default), a third run, on a freshly started H200"),
     (
         "serve-cuda-batch-prefills-reply.json",
         "the H200 of serve-cuda-reply-first.json, in the same call before it: the batch prefills a reply not yet "
