@@ -126,7 +126,7 @@ class StoreCache:
         # that long: on CPU that multiplies the batch's prefill (a round of six
         # chats on 2 cores: 550 ms to the first tokens against 165); on an H200 a
         # batch of four ~5k-token chats padded from ~19 to ~69 new tokens took
-        # 60-100 ms longer, a reply's insert alone 25-50 ms (docs/serve.md).
+        # 60-100 ms longer, a reply's insert alone 21-74 ms, median 38 (docs/serve.md).
         self.replies_before_fetch = True
         self._background: deque = deque()
 
