@@ -39,6 +39,14 @@ def _own_copy(prompt_cache: list) -> None:
         log.debug("extracted cache not computed ahead: %s", e)
 
 
+def _goes_on_with(prompt: list[int], earlier: list[int]) -> bool:
+    """Whether `earlier` is a prefix of `prompt`. Its last token is compared first:
+    a fetch asks this of every waiting reply (up to the batch's size), and the
+    slice and compare of ~5k tokens each took ~0.2 ms for 32 of them."""
+    n = len(earlier)
+    return 0 < n <= len(prompt) and prompt[n - 1] == earlier[-1] and prompt[:n] == earlier
+
+
 class ModelPair(nn.Module):
     """A model and its draft as one model: mlx_lm.server appends the draft's
     caches to the model's, so a namespace covers both layouts."""
@@ -292,7 +300,7 @@ class StoreCache:
     def _run_replies_of(self, prompt: list[int]) -> None:
         """Run the waiting inserts of the conversations `prompt` goes on with (their
         finished request's prompt is a prefix of it), oldest first."""
-        own = [item for item in self._background if prompt[: len(item[3])] == item[3]]
+        own = [item for item in self._background if _goes_on_with(prompt, item[3])]
         for item in own:
             self._background.remove(item)
             self._run(*item[:3])

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from promptstore import PromptStore
 from promptstore import caches as C
 from promptstore.index import namespace
-from promptstore.serve.cache import StoreCache, split_segments
+from promptstore.serve.cache import StoreCache, _goes_on_with, split_segments
 from promptstore.serve.replies import ChatTurn, rendered_turn
 from promptstore.serve.tenants import Tenant
 
@@ -147,6 +147,14 @@ def test_with_replies_before_fetch_a_next_turn_runs_its_own_conversations_reply_
     assert cache.last_hit.length == len(mine) + 2  # the reply was stored before the fetch
     assert len(cache._background) == 1 and cache.spaces(ALICE)[0].fetch(other + [7, 7, 0]).length == 0
     assert tracked
+
+
+def test_a_prompt_goes_on_with_an_earlier_prompt_only_when_that_is_its_prefix():
+    prompt = [1, 2, 3, 4, 5]
+    assert _goes_on_with(prompt, [1, 2, 3]) and _goes_on_with(prompt, prompt)
+    assert not _goes_on_with(prompt, [1, 9, 3])  # the same last token, another middle
+    assert not _goes_on_with(prompt, [1, 2, 4])
+    assert not _goes_on_with(prompt, [*prompt, 6]) and not _goes_on_with(prompt, [])
 
 
 def test_finished_requests_inserts_wait_at_most_the_limit_and_the_oldest_goes(cache):

@@ -8,9 +8,11 @@ from .conftest import QUESTIONS, SYSTEM, chat, reference_reply, rendered_length,
 
 @pytest.mark.parametrize("options", [(), ("--no-reply-before-fetch",)], ids=["reply-first", "batch-prefills-reply"])
 def test_each_turn_restores_the_previous_turn_and_replies_equal_a_full_prefill(serve, model_dir, options):
-    """With --no-reply-before-fetch a next turn that comes before its previous
-    reply is stored prefills the reply in its own batch: replies equal all the
-    same, and it restores at least the previous turn's prompt."""
+    """Replies equal a full prefill's with and without --no-reply-before-fetch.
+    Without it each turn restores the whole previous turn; with it, at least the
+    previous turn's prompt (its reply is stored either in the quiet before the
+    next turn or, when that comes first, by the next turn's batch; which one
+    happens here is not controlled: tests/serve/test_cache.py covers both)."""
     model = model_dir("llama")
     server = serve(model, *options)
     client = server.client()
