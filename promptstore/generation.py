@@ -14,7 +14,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -41,19 +40,6 @@ def prefill(
         model(mx.array(tokens[lo : min(lo + step, end)])[None], cache=cache)
         mx.eval([c.state for c in cache])
         on_step(min(lo + step, end))
-
-
-def prefill_together(model: nn.Module, caches: list[list], tokens: list[list[int]], step: int) -> list[list]:
-    """Run each tokens[i] after caches[i] through the model as one batch, as
-    mlx-lm's BatchGenerator prefills prompts that start from caches (right-padded
-    to the longest, then the padding moved to the left); returns each sequence's
-    cache, a copy of its own. The given caches are left as they were. Raises
-    ValueError for a cache kind mlx-lm does not batch with its history."""
-    if any(not t for t in tokens) or len(tokens) != len(caches):
-        raise ValueError("each cache needs at least one token to prefill")
-    batch = PromptProcessingBatch(model, list(range(len(caches))), caches, prefill_step_size=step)
-    batch.prompt([list(t) for t in tokens])
-    return [batch.extract_cache(i) for i in range(len(caches))]
 
 
 def stream_generate(

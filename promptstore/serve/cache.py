@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -18,16 +19,13 @@ from mlx_lm.models import cache as mlx_cache
 
 from .. import caches as C
 from ..errors import PromptStoreError
-from ..generation import prefill, prefill_together
+from ..generation import prefill
 from ..store import Hit, PromptStore, Space
 from ..store.space import weights_digest
 from .replies import ChatTurn, common_prefix, rendered_turn
 from .tenants import PUBLIC, InFlight, InFlightRequest, Tenant, TrackedPrompt
 
 log = logging.getLogger("promptstore.serve")
-
-REPLY_BATCH_BYTES = 4 << 30  # the caches of the replies prefilled as one batch, at most
-PADDING = 1.25  # a batch of replies computes at most this many times their tokens
 
 
 def _own_copy(prompt_cache: list) -> None:
@@ -39,28 +37,6 @@ def _own_copy(prompt_cache: list) -> None:
         mx.async_eval(arrays)
     except Exception as e:  # a cache kind without arrays to compute: nothing to start
         log.debug("extracted cache not computed ahead: %s", e)
-
-
-def _reply_batches(prefills: list, limit: int, padding: float = PADDING) -> list[list]:
-    """Replies to prefill as batches: longest first, each batch holding at most
-    `limit` bytes of caches (one reply alone may hold more) and padded by at most
-    `padding` times its tokens (a batch runs every reply to the longest's length)."""
-    batches: list[list] = []
-    size = 0
-    for p in sorted(prefills, key=lambda p: p.new, reverse=True):
-        batch = batches[-1] if batches else None
-        n = p.item.nbytes()
-        if (
-            batch
-            and size + n <= limit
-            and batch[0].new * (len(batch) + 1) <= padding * (sum(q.new for q in batch) + p.new)
-        ):
-            batch.append(p)
-            size += n
-        else:
-            batches.append([p])
-            size = n
-    return batches
 
 
 def _goes_on_with(prompt: list[int], earlier: list[int]) -> bool:
@@ -111,40 +87,6 @@ def split_segments(segments: list[list[int]], kinds: list[str], points) -> tuple
 
 
 @dataclass
-class _Insert:
-    """An insert mlx-lm handed over, settled on the generation thread when it
-    was: the namespace, the tokens and the cache holding them, their owners."""
-
-    space: Space
-    tenant: Tenant
-    reply_of: InFlightRequest | None  # the chat request whose reply the tokens end with
-    tokens: list[int]
-    held: int  # the positions the cache holds (the last reply token may not have been run)
-    cache: list
-    cache_type: str
-    owners: frozenset
-    asked: list[int]  # the shortest owner's prompt: a finished request's, which its next turn goes on with
-
-    def nbytes(self) -> int:
-        return sum(int(getattr(c, "nbytes", 0)) for c in self.cache)
-
-
-@dataclass
-class _ReplyPrefill:
-    """A reply rendered as the next turn sends it, to prefill from `position`."""
-
-    item: _Insert
-    rendered: list[int]
-    cache: list
-    position: int
-    phases: dict
-
-    @property
-    def new(self) -> int:
-        return len(self.rendered) - self.position
-
-
-@dataclass
 class _Pending:
     """The fetch `_tokenize` made, for the fetch_nearest_cache call that follows it."""
 
@@ -180,6 +122,7 @@ class StoreCache:
         self._pending: _Pending | None = None
         self.last_hit: Hit | None = None  # the figures of the last begin()'s hit, for its request's log line
         self._busy: deque[tuple[float, float]] = deque(maxlen=1024)  # store calls on the generation thread
+        self._deferred: deque = deque()  # inserts handed over by mlx-lm, not yet done (run_deferred)
         # Finished requests' inserts, done when no request waits for its first
         # token (run_background); at most this many wait, each holding its
         # cache (the server sets it to its batch's size, --decode-concurrency).
@@ -193,13 +136,7 @@ class StoreCache:
         # batch of four ~5k-token chats padded from ~19 to ~69 new tokens took
         # 60-100 ms longer, a reply's insert alone 21-74 ms, median 38 (docs/serve.md).
         self.replies_before_fetch = True
-        # Replies stored before a fetch are prefilled as one batch (several
-        # conversations' next turns come together), holding at most this many
-        # bytes of their caches at once (the batch copies them).
-        self.batch_replies = True
-        self.reply_batch_bytes = REPLY_BATCH_BYTES
-        self._background: deque[_Insert] = deque()
-        self._deferred: deque[_Insert] = deque()  # parts of prompts handed over by mlx-lm, not yet stored
+        self._background: deque = deque()
 
     @contextmanager
     def _timed(self):
@@ -248,17 +185,15 @@ class StoreCache:
 
     # --- fetch --------------------------------------------------------------------
 
-    def begin(self, tenant: Tenant, prompt: list[int], chat: ChatTurn | None, boundaries, cacheable=True, *, coming=()):
+    def begin(self, tenant: Tenant, prompt: list[int], chat: ChatTurn | None, boundaries, cacheable=True):
         """A request was tokenized: track it and fetch its longest stored prefix.
 
-        coming: (tenant, prompt) of the requests queued behind this one, whose
-        conversations' waiting replies are stored with its own.
         Returns the prompt to hand mlx_lm.server (its lifetime is the request's)
         and the positions where the store asks for checkpoints.
         """
         self.run_deferred()  # the fetch finds every part of a prompt handed over before it
-        if self.replies_before_fetch and self._background:
-            self._run_replies_of([(tenant, list(prompt)), *coming])  # and its conversation's last reply
+        if self.replies_before_fetch:
+            self._run_replies_of(list(prompt))  # and its own conversation's last reply
         request = InFlightRequest(tenant, list(prompt), chat)
         tracked: TrackedPrompt = self.inflight.track(request)
         hit = None
@@ -311,40 +246,40 @@ class StoreCache:
         a prefill) waits for `run_background`: when the generation thread has
         no request to take, or no request in its batch still waits for its
         first token. The next turn of that conversation, when it comes first,
-        runs it before its fetch (`replies_before_fetch`), together with those
-        of the requests queued behind it (one batched prefill); without that,
-        it prefills the reply in its own batch and stores it with its prompt,
-        and the insert then finds it stored and costs a lookup.
+        runs it before its fetch (`replies_before_fetch`); without that, it
+        prefills the reply in its own batch and stores it with its prompt, and
+        the insert then finds it stored and costs a lookup.
 
         A failed insert is logged and skipped: it must never stop the generation
         thread, and the store leaves itself as it was.
         """
         try:
             with self._timed():
-                item = self._prepare_insert(model, [int(t) for t in tokens], prompt_cache, cache_type)
+                work, within_prompt, owners = self._prepare_insert(model, [int(t) for t in tokens], prompt_cache)
         except Exception:
             log.exception("insert of %d tokens (%s) not stored", len(tokens), cache_type)
             return
-        if item is None:
+        if work is None:
             return
-        if any(len(item.tokens) <= len(o.prompt) for o in item.owners):  # within a prompt
-            if any(item.owners & waiting.owners for waiting in self._deferred):
+        if within_prompt:
+            if any(owners & waiting for *_, waiting in self._deferred):
                 self.run_deferred()  # at most one part of each request's prompt waits
             _own_copy(prompt_cache)  # so that what waits holds its request's arrays, not the batch's
-            self._deferred.append(item)
+            self._deferred.append((work, len(tokens), cache_type, owners))
         elif not self.background:
-            self._run(item)
+            self._run(work, len(tokens), cache_type)
         else:
             if len(self._background) >= self.background_limit:
                 self._background.popleft()  # the oldest reply: its next turn re-prefills it, if it comes
                 self.counts["reply_inserts_dropped"] += 1
                 log.debug("a finished request's insert dropped: %d wait already", self.background_limit)
-            self._background.append(item)
+            asked = min(len(o.prompt) for o in owners)  # the finished request's prompt
+            self._background.append((work, len(tokens), cache_type, list(tokens[:asked])))
 
     def run_deferred(self) -> None:
         """Do the inserts handed over since the last call, in order (generation thread)."""
         while self._deferred:
-            self._run(self._deferred.popleft())
+            self._run(*self._deferred.popleft()[:3])
 
     @property
     def has_background(self) -> bool:
@@ -359,87 +294,30 @@ class StoreCache:
         first (generation thread), after the parts of prompts handed over before them."""
         self.run_deferred()
         while self._background and (n is None or n > 0):
-            self._run(self._background.popleft())
+            self._run(*self._background.popleft()[:3])
             n = None if n is None else n - 1
 
-    def _run_replies_of(self, prompts: list[tuple[Tenant, list[int]]]) -> None:
-        """Run the waiting inserts of the conversations these prompts go on with
-        (their finished request's prompt, of the same tenant, is a prefix of one),
-        oldest first; replies to prefill, in batches."""
-        own = [
-            item
-            for item in self._background
-            if any(tenant == item.tenant and _goes_on_with(prompt, item.asked) for tenant, prompt in prompts)
-        ]
+    def _run_replies_of(self, prompt: list[int]) -> None:
+        """Run the waiting inserts of the conversations `prompt` goes on with (their
+        finished request's prompt is a prefix of it), oldest first."""
+        own = [item for item in self._background if _goes_on_with(prompt, item[3])]
         for item in own:
             self._background.remove(item)
-        if len(own) == 1 or not self.batch_replies:
-            for item in own:
-                self._run(item)
-            return
-        prefills = []
-        for item in own:
-            started = time.perf_counter()
-            try:
-                with self._timed():
-                    if item.reply_of is None or self.reply_tokens != "rendered":
-                        self._insert(item)
-                        continue
-                    prefill_, stored, phases = self._render_reply(item)
-                    if prefill_ is None:
-                        self._logged(item.held, stored, phases, started)
-                    elif prefill_.new == 0:
-                        self._finish_reply(prefill_, 0.0, started)
-                    else:
-                        prefills.append(prefill_)
-            except Exception:
-                log.exception("insert of %d tokens (%s) not stored", len(item.tokens), item.cache_type)
-        for group in _reply_batches(prefills, self.reply_batch_bytes):
-            self._prefill_replies(group)
+            self._run(*item[:3])
 
-    def _prefill_replies(self, group: list[_ReplyPrefill]) -> None:
-        """Prefill the replies of `group` as one batch and store each; one by one
-        where the batch cannot be made (a cache kind mlx-lm does not batch)."""
-        started = time.perf_counter()
-        caches = None
-        if len(group) > 1 and not isinstance(self.model, ModelPair):
-            try:
-                with self._timed():
-                    caches = prefill_together(
-                        self.model,
-                        [p.cache for p in group],
-                        [p.rendered[p.position :] for p in group],
-                        self.prefill_step,
-                    )
-            except Exception as e:
-                log.debug("replies not prefilled together (%s): one by one", e)
-        seconds = time.perf_counter() - started
-        total = sum(p.new for p in group)
-        for i, p in enumerate(group):
-            try:
-                with self._timed():
-                    if caches is not None:
-                        p.cache, p.phases["batch"] = caches[i], len(group)
-                        self.counts["reply_prefills_batched"] += 1
-                        self._finish_reply(p, seconds * p.new / total, started)
-                    else:
-                        self._prefill_reply(p)
-            except Exception:
-                log.exception("insert of %d tokens (%s) not stored", len(p.item.tokens), p.item.cache_type)
-        if caches is not None:
-            log.debug("%d replies prefilled together: %d tokens in %.1f ms", len(group), total, seconds * 1e3)
-
-    def _run(self, item: _Insert) -> None:
+    def _run(self, work: Callable[[], None], n_tokens: int, cache_type: str) -> None:
         try:
             with self._timed():
-                self._insert(item)
+                work()
         except Exception:
-            log.exception("insert of %d tokens (%s) not stored", len(item.tokens), item.cache_type)
+            log.exception("insert of %d tokens (%s) not stored", n_tokens, cache_type)
 
-    def _prepare_insert(self, model_key, tokens: list[int], prompt_cache, cache_type: str) -> _Insert | None:
-        """The insert of `tokens` (None if nothing is to be stored)."""
+    def _prepare_insert(self, model_key, tokens: list[int], prompt_cache):
+        """The insert of `tokens` (None if nothing is to be stored), whether the
+        tokens lie within an owner's prompt, and the requests that own them."""
+        nothing = None, False, frozenset()
         if model_key != self.model_key or not tokens or min(tokens) < 0:
-            return None  # another model, or an image prompt's key (negative placeholder ids)
+            return nothing  # another model, or an image prompt's key (negative placeholder ids)
         owners = self.inflight.owners(tokens)
         tenants = {o.tenant for o in owners}
         if len(tenants) != 1:
@@ -447,38 +325,30 @@ class StoreCache:
             # them in either namespace could hand one tenant's state to the other.
             self.counts["inserts_skipped_ambiguous" if owners else "inserts_skipped_unowned"] += 1
             log.debug("insert of %d tokens skipped: %d tenants in flight share them", len(tokens), len(tenants))
-            return None
+            return nothing
         tenant = tenants.pop()
         cache = C.adopt_prompt_cache(prompt_cache)
         held = self._held(cache, len(tokens))
         if not held:
-            return None
+            return nothing
         reply_of = next((o for o in owners if o.chat is not None and len(tokens) > len(o.prompt)), None)
-        asked = min((o.prompt for o in owners), key=len)
         space = self._space_for(tenant, cache)
-        return _Insert(space, tenant, reply_of, tokens, held, cache, cache_type, frozenset(owners), list(asked))
+        within_prompt = any(len(tokens) <= len(o.prompt) for o in owners)
+        return (lambda: self._insert(space, reply_of, tokens, held, cache)), within_prompt, frozenset(owners)
 
-    def _insert(self, item: _Insert) -> None:
+    def _insert(self, space: Space, reply_of: InFlightRequest | None, tokens: list[int], held: int, cache) -> None:
         started = time.perf_counter()
-        if item.reply_of is None or self.reply_tokens != "rendered":
-            stored = item.space.insert(item.tokens[: item.held], item.cache)
-            self._logged(item.held, stored, {}, started, item.space)
-            return
-        prefill_, stored, phases = self._render_reply(item)
-        if prefill_ is None:
-            self._logged(item.held, stored, phases, started)
+        if reply_of is not None and self.reply_tokens == "rendered":
+            stored, phases = self._insert_rendered(space, reply_of, tokens, held, cache)
         else:
-            self._prefill_reply(prefill_, started)
-
-    def _logged(self, held: int, stored: int, phases: dict, started: float, space: Space | None = None) -> None:
-        if space is not None:
-            phases.update(space.last_insert_phases())  # the store's part, phase by phase
+            stored, phases = space.insert(tokens[:held], cache), {}
+        phases.update(space.last_insert_phases())  # the store's part, phase by phase
         phases["total"] = time.perf_counter() - started
         log.info(
             "insert: %d tokens, %d new; %s",
             held,
             stored,
-            " ".join(f"{k}_ms={v * 1e3:.1f}" if k != "batch" else f"{k}={v}" for k, v in phases.items()),
+            " ".join(f"{k}_ms={v * 1e3:.1f}" for k, v in phases.items()),
         )
 
     def _held(self, cache: list, n_tokens: int) -> int:
@@ -499,53 +369,40 @@ class StoreCache:
         quantized = any(layer["kind"] == "quantized" for layer in C.prompt_layout(cache))
         return spaces[-1] if quantized else spaces[0]
 
-    def _render_reply(self, item: _Insert) -> tuple[_ReplyPrefill | None, int, dict]:
-        """The conversation as the next turn renders it, and what of it to prefill
-        (only what differs from what the cache holds); what needs no prefill is
-        stored now. Returns (the prefill, or None; tokens stored; seconds per phase).
+    def _insert_rendered(self, space: Space, request: InFlightRequest, named: list[int], held: int, cache):
+        """Store the conversation as the next turn renders it, prefilling only
+        what differs from what the cache holds. Returns (tokens stored, seconds
+        per phase: render, prefill, store).
 
-        item.tokens: prompt and reply as mlx-lm names them; the cache holds the
-        first `held` (the last reply token may not have been run through the model).
+        named: prompt and reply as mlx-lm names them; the cache holds the first
+        `held` (the last reply token may not have been run through the model).
         """
-        space, request = item.space, item.reply_of
         t0 = time.perf_counter()
         try:
-            rendered = rendered_turn(self.tokenizer, request.chat, item.tokens[len(request.prompt) :], request.prompt)
+            rendered = rendered_turn(self.tokenizer, request.chat, named[len(request.prompt) :], request.prompt)
         except Exception as e:  # a template that cannot render its own reply: keep the tokens
             log.debug("reply not rendered (%s): storing the generated tokens", e)
             rendered = []
-        tokens = item.tokens[: item.held]
+        tokens = named[:held]
         common = common_prefix(tokens, rendered)
         t1 = time.perf_counter()
         if len(rendered) >= 2 and space.restorable_length(rendered) == len(rendered):
             # Stored meanwhile (the next turn's prompt holds it): nothing to prefill.
             self.counts["reply_inserts_already_stored"] += 1
-            return None, 0, {"render": t1 - t0, "lookup": time.perf_counter() - t1}
+            return 0, {"render": t1 - t0, "lookup": time.perf_counter() - t1}
         if len(rendered) < 2 or common == len(rendered) == len(tokens):
-            stored = space.insert(tokens, item.cache)
-            return None, stored, {"render": t1 - t0, "store": time.perf_counter() - t1, **space.last_insert_phases()}
-        cache, position = item.cache, min(common, len(tokens))
+            return space.insert(tokens, cache), {"render": t1 - t0, "store": time.perf_counter() - t1}
+        position = min(common, len(tokens))
         if position < len(tokens) and not C.restore_prompt_cache(cache, None, position):
             # Window or recurrent layers cannot rewind: restart from the store (the
             # store's own fetch, not a request's hit).
             hit = space.fetch(rendered, count=False)
             cache, position = hit.cache, hit.length
-        return _ReplyPrefill(item, rendered, cache, position, {"render": t1 - t0}), 0, {}
-
-    def _prefill_reply(self, p: _ReplyPrefill, started: float | None = None) -> None:
-        """Prefill one reply on its own, then store it."""
-        t = time.perf_counter()
-        prefill(self.model, p.cache, p.rendered, p.position, len(p.rendered), self.prefill_step)
-        self._finish_reply(p, time.perf_counter() - t, t if started is None else started)
-
-    def _finish_reply(self, p: _ReplyPrefill, prefill_seconds: float, started: float) -> None:
-        """Store a prefilled reply; `prefill_seconds`: its prefill's share of the time."""
-        space = p.item.space
-        t = time.perf_counter()
-        stored = space.insert(p.rendered, p.cache, prefill_seconds=prefill_seconds)
-        self.counts["reply_tokens_prefilled"] += p.new
-        p.phases.update(prefill=prefill_seconds, store=time.perf_counter() - t)
-        self._logged(p.item.held, stored, p.phases, started, space)
+        prefill(self.model, cache, rendered, position, len(rendered), self.prefill_step)
+        t2 = time.perf_counter()
+        stored = space.insert(rendered, cache, prefill_seconds=t2 - t1)
+        self.counts["reply_tokens_prefilled"] += len(rendered) - position
+        return stored, {"render": t1 - t0, "prefill": t2 - t1, "store": time.perf_counter() - t2}
 
     # --- what mlx_lm.server reads ---------------------------------------------------
 

@@ -249,15 +249,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         tenant = getattr(request, "tenant", PUBLIC)
         timeline = getattr(request, "timeline", {})
         timeline["fetch"] = time.perf_counter()
-        coming = ()
-        if self.store_cache.replies_before_fetch and self.store_cache.has_background:
-            # Replies wait: the burst's other requests, still being checked, store
-            # theirs with this one's (one batched prefill), then prefill with it.
-            self.arrivals.gather()
-            coming = self._queued_prompts()
-        tracked, checkpoints = self.store_cache.begin(
-            tenant, prompt, chat, ends, cacheable=vision is None, coming=coming
-        )
+        tracked, checkpoints = self.store_cache.begin(tenant, prompt, chat, ends, cacheable=vision is None)
         timeline["fetched"] = time.perf_counter()
         self.arrivals.gather()  # a burst's other requests, still being checked, prefill with this one
         timeline["gathered"] = time.perf_counter()
@@ -269,19 +261,6 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
             timeline["plan"] = hit.plan.mode if hit.plan is not None else "memory"
         segments, kinds = split_segments(segments, kinds, checkpoints)
         return tracked, segments, kinds, state, vision
-
-    def _queued_prompts(self) -> list[tuple[Tenant, list[int]]]:
-        """(tenant, prompt) of the requests queued for the generation thread, as
-        their HTTP threads rendered them."""
-        with self.requests.mutex:
-            queued = list(self.requests.queue)
-        out = []
-        for entry in queued:
-            request = entry[1] if isinstance(entry, tuple) and len(entry) == 3 else None
-            rendered = getattr(request, "rendered", None)
-            if rendered is not None:
-                out.append((request.tenant, rendered.prompt))
-        return out
 
     def _template_kwargs(self, overrides: dict | None) -> dict:
         kwargs = dict(self.cli_args.chat_template_args)

@@ -148,25 +148,3 @@ def test_serve_refuses_an_arrival_wait_outside_0_to_10_seconds(capsys, wait):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"promptstore serve: error: --arrival-wait {float(wait)}: give 0 to 10 seconds"
     )
-
-
-def test_the_generator_reads_the_prompts_queued_behind_a_request():
-    """What a request's fetch passes on, so the waiting replies of a burst's
-    other conversations are stored with its own: each queued request's tenant
-    and prompt as its HTTP thread rendered it (nothing for one not rendered)."""
-    from promptstore.serve.server import Rendered, StoreRequest, StoreResponseGenerator
-    from promptstore.serve.tenants import PUBLIC, Tenant
-
-    gen = StoreResponseGenerator.__new__(StoreResponseGenerator)
-    gen.requests = Queue()
-    assert gen._queued_prompts() == []
-    alice = Tenant("salt-of-alice-7f3a", "tenant-1")
-    for tenant, prompt in ((alice, [1, 2, 3]), (PUBLIC, [4, 5])):
-        request = StoreRequest.__new__(StoreRequest)
-        request.tenant, request.rendered = tenant, Rendered(prompt, [prompt], ["user"], "normal", None)
-        gen.requests.put((Queue(), request, None))
-    plain = StoreRequest.__new__(StoreRequest)
-    plain.tenant, plain.rendered = PUBLIC, None
-    gen.requests.put((Queue(), plain, None))
-    assert gen._queued_prompts() == [(alice, [1, 2, 3]), (PUBLIC, [4, 5])]
-    assert gen.requests.qsize() == 3  # read, not taken

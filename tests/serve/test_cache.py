@@ -2,7 +2,6 @@
 lands in when several tenants' requests are in flight, and segment cuts."""
 
 import gc
-from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -11,23 +10,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from promptstore import PromptStore
 from promptstore import caches as C
 from promptstore.index import namespace
-from promptstore.serve.cache import StoreCache, _goes_on_with, _reply_batches, split_segments
+from promptstore.serve.cache import StoreCache, _goes_on_with, split_segments
 from promptstore.serve.replies import ChatTurn, rendered_turn
 from promptstore.serve.tenants import Tenant
-from promptstore.testing.models import FAMILIES, tiny_model
 
-from ..conftest import forward, fresh_cache, greedy
 from .conftest import loaded
-
-
-def assert_faithful(model, hit, tokens, n_greedy=4):
-    """Generation from the hit equals generation from a full prefill."""
-    want_cache = fresh_cache(model)
-    want = forward(model, want_cache, tokens)
-    got = forward(model, hit.cache, tokens[hit.length :])
-    assert mx.allclose(got, want, atol=1e-4, rtol=0).item(), float(mx.abs(got - want).max())
-    assert greedy(model, hit.cache, got, n_greedy) == greedy(model, want_cache, want, n_greedy)
-
 
 ALICE, BOB = Tenant("salt-of-alice-7f3a", "tenant-1"), Tenant("salt-of-bob-91c2", "tenant-2")
 
@@ -214,91 +201,6 @@ def test_a_reply_the_next_turn_stored_first_is_not_prefilled_again(cache):
     assert cache.counts["reply_tokens_prefilled"] > 0
     assert cache.spaces(ALICE)[0].restorable_length(rendered) == len(rendered)
     assert request
-
-
-def chat_turns(cache, users: int, reply_lengths):
-    """`users` conversations' first turns, each finished with a reply of its own
-    length (as mlx-lm hands it over); their inserts wait. Returns (turn, prompt,
-    generated) each, and the requests (in flight while they are held)."""
-    tok = cache.tokenizer
-    out, tracked = [], []
-    for u in range(users):
-        messages = [
-            {"role": "system", "content": "You answer briefly."},
-            {"role": "user", "content": f"Question {u}: what is {u} and {u + 1}?"},
-        ]
-        prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-        turn = ChatTurn(messages, None, {})
-        tracked.append(cache.begin(ALICE, prompt, turn, ())[0])
-        words = " ".join(["reply"] * reply_lengths[u % len(reply_lengths)])
-        generated = [*tok.encode(f"{u} {words}", add_special_tokens=False), tok.eos_token_id]
-        named = prompt + generated
-        cache.insert_cache(cache.model_key, named, filled(cache, named[:-1]))
-        out.append((turn, prompt, generated))
-    return out, tracked
-
-
-def next_turn(tok, turn, prompt, generated) -> list[int]:
-    return rendered_turn(tok, turn, generated, prompt) + tok.encode(" and then?", add_special_tokens=False)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_replies_stored_before_a_burst_of_next_turns_are_prefilled_as_one_batch(tmp_path, model_dir, family):
-    """Next turns queued together store their waiting replies as one batched
-    prefill (mlx-lm's, right-padded then moved left): each stored reply equals
-    a full prefill of the rendered conversation (logits within 1e-4, greedy
-    tokens identical), on every cache kind; where mlx-lm cannot batch a kind,
-    one by one."""
-    _, tokenizer = loaded(model_dir("llama"))  # its chat template and 512 tokens
-    model = tiny_model(family, vocab_size=512)
-    with PromptStore.open(tmp_path / "store") as store:
-        cache = StoreCache(store, model_id=f"tiny-{family}")
-        cache.attach(model, tokenizer, None, ("m", None, None), prefill_step=64)
-        turns, tracked = chat_turns(cache, 4, (3, 4, 3, 5))
-        assert len(cache._background) == 4
-        nexts = [next_turn(tokenizer, *t) for t in turns]
-        cache.begin(ALICE, nexts[0], None, (), coming=[(ALICE, p) for p in nexts[1:]])
-        assert not cache._background  # all four stored before the first's fetch
-        assert cache.counts["reply_tokens_prefilled"] > 0
-        # mlx-lm 0.32 batches every kind here but llama4's ChunkedKVCache (no `merge`)
-        assert cache.counts["reply_prefills_batched"] == (0 if family == "llama4" else 4)
-        space = cache.spaces(ALICE)[0]
-        for (turn, prompt, generated), nxt in zip(turns, nexts):
-            rendered = rendered_turn(tokenizer, turn, generated, prompt)
-            assert space.restorable_length(rendered) == len(rendered)
-            hit = space.fetch(nxt)
-            assert hit.length >= len(rendered)
-            assert_faithful(cache.model, hit, mx.array(nxt))
-        assert tracked
-
-
-def test_a_burst_stores_only_its_own_tenants_replies(cache):
-    """A queued prompt of another tenant does not run a reply it would go on with."""
-    tok = cache.tokenizer
-    turns, tracked = chat_turns(cache, 3, (2, 3, 4))
-    nexts = [next_turn(tok, *t) for t in turns]
-    cache.begin(ALICE, nexts[0], None, (), coming=[(BOB, nexts[1]), (ALICE, nexts[2])])
-    assert [item.asked for item in cache._background] == [turns[1][1]]  # only Bob's prompt goes on with it
-    assert cache.counts["reply_prefills_batched"] == 2
-    space = cache.spaces(ALICE)[0]
-    stored = [space.restorable_length(rendered_turn(tok, *t[:1], t[2], t[1])) for t in turns]
-    assert [n == len(rendered_turn(tok, *t[:1], t[2], t[1])) for n, t in zip(stored, turns)] == [True, False, True]
-    assert tracked
-
-
-def test_replies_are_batched_longest_first_within_their_padding_and_bytes():
-    def reply(new, nbytes=10):
-        return SimpleNamespace(new=new, item=SimpleNamespace(nbytes=lambda: nbytes))
-
-    def shape(batches):
-        return [[p.new for p in b] for b in batches]
-
-    assert shape(_reply_batches([reply(50), reply(52), reply(51), reply(59)], 100)) == [[59, 52, 51, 50]]
-    # 40 then 2: padded to 80 tokens for 42 (over 1.25x); the short ones batch together
-    assert shape(_reply_batches([reply(2), reply(40), reply(3)], 100)) == [[40], [3, 2]]
-    assert shape(_reply_batches([reply(5, 60), reply(5, 60), reply(5, 60)], 100)) == [[5], [5], [5]]
-    assert shape(_reply_batches([reply(5, 500)], 100)) == [[5]]  # one reply alone may hold more
-    assert _reply_batches([], 100) == []
 
 
 def test_requests_await_their_first_token_until_marked_or_gone(cache):
