@@ -198,12 +198,22 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
     def _next_request(self, timeout=None):
         cache = self.store_cache
         cache.run_deferred()  # before the loop takes a request or waits for one
-        if timeout is not None and cache.has_background and self._quiet():
+        if timeout is not None and cache.has_background and self._idle():
             # Nothing in the batch and nothing to take: a finished request's insert,
             # then mlx-lm's loop comes back here (a request that came meanwhile goes first).
             cache.run_background(1)
             return None
         return super()._next_request(timeout)
+
+    def _idle(self) -> bool:
+        """Nothing to take and no request waiting for its first token. With
+        replies stored before a next turn's fetch, requests still being checked
+        on HTTP threads do not count: the next turns of a burst need their
+        conversations' replies stored, and the generation thread would only wait
+        for the checks (about as long as a reply's insert)."""
+        if not self.store_cache.replies_before_fetch:
+            return self._quiet()
+        return self.requests.empty() and not self.store_cache.awaiting_first_token()
 
     def health(self) -> tuple[int, dict]:
         """/health's status and body: 503 "loading" until the model is loaded and

@@ -148,3 +148,41 @@ def test_serve_refuses_an_arrival_wait_outside_0_to_10_seconds(capsys, wait):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"promptstore serve: error: --arrival-wait {float(wait)}: give 0 to 10 seconds"
     )
+
+
+class WaitingInserts:
+    """The generation thread's view of the store's cache: finished requests' inserts waiting."""
+
+    def __init__(self, n: int, replies_before_fetch: bool = True):
+        self.waiting, self.replies_before_fetch = n, replies_before_fetch
+
+    @property
+    def has_background(self) -> bool:
+        return self.waiting > 0
+
+    def run_deferred(self) -> None:
+        pass
+
+    def run_background(self, n=None) -> None:
+        self.waiting -= 1 if n == 1 else self.waiting
+
+    def awaiting_first_token(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("replies_first", [True, False])
+def test_while_requests_are_checked_the_idle_generation_thread_stores_waiting_replies(replies_first):
+    """With nothing queued, a waiting insert runs (one per call) while a burst's
+    requests are still being checked when their next turns store their replies
+    first anyway; otherwise the thread waits for the request being checked."""
+    from promptstore.serve.server import StoreResponseGenerator
+
+    gen = StoreResponseGenerator.__new__(StoreResponseGenerator)
+    gen.requests, gen.arrivals, gen._is_distributed = Queue(), Arrivals(bound=0.05), False
+    gen.store_cache = WaitingInserts(2, replies_first)
+    with gen.arrivals.checking():  # a request being checked, not yet queued
+        assert gen._next_request(timeout=0.01) is None
+        assert gen.store_cache.waiting == (1 if replies_first else 2)
+    gen.requests.put("a queued request")
+    assert gen._next_request(timeout=0.01) == "a queued request"  # a queued request goes first
+    assert gen.store_cache.waiting == (1 if replies_first else 2)
