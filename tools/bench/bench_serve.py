@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -330,6 +331,7 @@ def main() -> int:
         "before either contender runs (default: on for --profile cuda)",
     )
     p.add_argument("--serve-args", default="", help="extra options for promptstore serve (one string)")
+    p.add_argument("--keep-work", action="store_true", help="keep the model, stores and logs (removed by default)")
     p.add_argument("--out", help="JSON path (default bench-results/serve.json, serve-cuda.json for --profile cuda)")
     args = p.parse_args()
     profile = PROFILES[args.profile]
@@ -346,6 +348,16 @@ def main() -> int:
     if args.profile == "cpu" and (warning := blas_warning(blas)):
         print(warning, file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    try:
+        return run_bench(args, profile, work, out_path, blas)
+    finally:
+        if not args.keep_work:
+            # The model alone is 16 GB in the cuda profile: a few runs left behind
+            # fill a machine's disk, and the next run's store finds its writes refused.
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run_bench(args, profile: dict, work: Path, out_path: str, blas: dict) -> int:
     started = time.perf_counter()
     model = write_model_dir(
         work / "model", "llama", vocab_size=VOCAB, dtype=getattr(mx, profile["dtype"]), **profile["model"]
@@ -458,12 +470,18 @@ def main() -> int:
         "promptstore_timelines": timelines(work / "ps.log"),
         "promptstore_inserts": inserts(work / "ps.log"),
         "promptstore_spills": spills(work / "ps.log"),
+        "promptstore_spills_refused": refused_spills(work / "ps.log"),
         "promptstore_restart_log": startup_lines(work / "ps.log"),
         "requests": {name: c.results for name, c in contenders.items()},
         "goals": goals(report),
     }
     out = write_results(out_path, payload, blas)
     print_table(report, payload)
+    if payload["promptstore_spills_refused"]:
+        print(
+            f"warning: the disk refused {payload['promptstore_spills_refused']} of promptstore's spills "
+            "(full?): the restart found less stored than was written, and this run does not measure the store"
+        )
     print(f"wrote {out}")
     return 0
 
@@ -567,6 +585,7 @@ SPILL = re.compile(
 )
 
 
+SPILL_FAILED = re.compile(r"spill of [0-9a-f]+ failed")
 STARTUP = re.compile(r"warm start|GPU runtime libraries|kernel warm-up|model identity|Starting httpd|store closed")
 
 
@@ -587,6 +606,11 @@ def inserts(log: Path) -> list[dict]:
             row = {"at": m["at"], "tokens": int(m["held"]), "new": int(m["new"])}
             out.append({**row, **{k: float(v) for k, v in phases.items()}})
     return out
+
+
+def refused_spills(log: Path) -> int:
+    """Spills the store logged as failed (the node stayed in memory: a full disk, say)."""
+    return sum(1 for line in log.read_text(errors="replace").splitlines() if SPILL_FAILED.search(line))
 
 
 def spills(log: Path) -> list[dict]:
