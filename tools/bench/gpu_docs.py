@@ -31,6 +31,23 @@ COLD_RUNS = (
 )
 SERVE_RUNS = (
     (
+        "serve-cuda-idle-stores.json",
+        "an H100; the idle generation thread also stores waiting replies while a burst's requests are still "
+        "being checked (it only waited for them before)",
+    ),
+    ("serve-cuda-idle-stores-2.json", "the same code, a second run, in the same machine call after it"),
+    (
+        "serve-cuda-before-idle-stores.json",
+        "that H100, later in the same machine session: the code before (the generation thread waits for "
+        "requests being checked)",
+    ),
+    (
+        "serve-cuda-batched-replies.json",
+        "an H200; a burst's waiting replies prefilled as one batch through mlx-lm's prompt batch (reverted: "
+        "no cheaper than one by one, tools/bench/probe_reply_batch.py)",
+    ),
+    ("serve-cuda-batched-replies-2.json", "the same (reverted) code, a second run, in the same call after it"),
+    (
         "serve-cuda-reply-first.json",
         "an H200; a chat's next turn stores its previous reply before its fetch (`--reply-before-fetch`, the "
         "default since), and at most one part of each request's prompt waits",
