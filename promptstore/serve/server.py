@@ -596,7 +596,10 @@ def main(argv=None) -> int:
         if store is not None:
             shutdown.begin()
             store.close()
-            log.info("store closed: everything is on disk")
+            if store.unwritten[0]:
+                log.warning("store closed: %d nodes the disk refused are lost", store.unwritten[0])
+            else:
+                log.info("store closed: everything is on disk")
     _exit_now(0)
 
 

@@ -50,6 +50,7 @@ class PromptStore:
         self.tiers = Tiers(path, self.index, settings)
         self.spaces: list[Space] = []
         self._closed = False
+        self.unwritten = (0, 0)  # nodes and bytes the disk refused, as close() left them
         self.warming: Warmer | None = None
         if settings.warm_start:
             self.warm()
@@ -138,6 +139,14 @@ class PromptStore:
                 for space in self.spaces:
                     space.flush_stats()
                 self.tiers.close()
+                self.unwritten = self.tiers.unwritten()
+                if self.unwritten[0]:
+                    log.warning(
+                        "closed with %d nodes (%.1f MB) not on disk: the disk refused their spills, "
+                        "and they are lost with this process",
+                        self.unwritten[0],
+                        self.unwritten[1] / 1e6,
+                    )
             finally:
                 self.index.close()
                 self._lock.close()  # releases the flock

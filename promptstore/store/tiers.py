@@ -459,6 +459,15 @@ class Tiers:
                 heapq.heappush(heap, entry(parent))
         return removed, freed
 
+    def unwritten(self) -> tuple[int, int]:
+        """Nodes, and their bytes, held in memory only because the disk refused
+        their spills (after close: lost with the process)."""
+        with self.lock:
+            stranded = [j for k, j in self.stranded.items() if k not in self.hot]
+        dirty = self.hot.dirty_entries()
+        nbytes = sum(e.nbytes for e in dirty) + sum(s.nbytes for j in stranded for s in j.snapshots if s is not None)
+        return len(dirty) + len(stranded), nbytes
+
     def close(self) -> None:
         self.spill_all()
         self.writer.close()

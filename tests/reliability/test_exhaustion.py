@@ -276,3 +276,29 @@ def test_writer_queue_of_one_with_nothing_hot(tmp_path):
         assert not store.tiers.pending and not store.tiers.stranded
         assert not store.tiers.reports, list(store.tiers.reports)
     assert_all_served(tmp_path, model, seqs, sample=6)
+
+
+def test_a_close_on_a_disk_that_refuses_every_spill_says_what_is_lost(tmp_path, monkeypatch, caplog):
+    """Nodes whose spills the disk refused stay in memory; a close says how many
+    are lost with the process (serve logs it instead of "everything is on disk")."""
+    import errno
+
+    from promptstore.snapshots import cold
+
+    model = _model("llama")
+    with PromptStore.open(tmp_path / "ok", durability="write_back") as store:
+        prefill_insert(store.bind(model, model_id=MODEL_ID), model, prompt_tokens(24, seed=1))
+    assert store.unwritten == (0, 0)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cold, "write_safetensors", full)
+    with caplog.at_level("WARNING", logger="promptstore.store"):
+        with PromptStore.open(tmp_path / "full", durability="write_back") as store:
+            space = store.bind(model, model_id=MODEL_ID)
+            for seed in (2, 3):
+                prefill_insert(space, model, prompt_tokens(24, seed=seed))
+            held = store.tiers.hot.nbytes
+    assert store.unwritten == (2, held)
+    assert any("2 nodes" in r.getMessage() and "lost" in r.getMessage() for r in caplog.records)
