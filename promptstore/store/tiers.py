@@ -460,8 +460,8 @@ class Tiers:
         return removed, freed
 
     def unwritten(self) -> tuple[int, int]:
-        """Nodes, and their bytes, held in memory only because the disk refused
-        their spills (after close: lost with the process)."""
+        """Nodes, and their bytes, held in memory only. After close(), which
+        spills every node, these are the ones the disk refused: lost with the process."""
         with self.lock:
             stranded = [j for k, j in self.stranded.items() if k not in self.hot]
         dirty = self.hot.dirty_entries()

@@ -349,12 +349,15 @@ def main() -> int:
         print(warning, file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     try:
-        return run_bench(args, profile, work, out_path, blas)
-    finally:
-        if not args.keep_work:
-            # The model alone is 16 GB in the cuda profile: a few runs left behind
-            # fill a machine's disk, and the next run's store finds its writes refused.
-            shutil.rmtree(work, ignore_errors=True)
+        code = run_bench(args, profile, work, out_path, blas)
+    except BaseException:
+        print(f"work folder kept (the servers' logs): {work}", file=sys.stderr)
+        raise
+    if not args.keep_work:
+        # The model alone is 16 GB in the cuda profile: a few runs left behind
+        # fill a machine's disk, and the next run's store finds its writes refused.
+        shutil.rmtree(work, ignore_errors=True)
+    return code
 
 
 def run_bench(args, profile: dict, work: Path, out_path: str, blas: dict) -> int:
