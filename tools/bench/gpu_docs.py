@@ -37,9 +37,17 @@ SERVE_RUNS = (
     ),
     ("serve-cuda-idle-stores-2.json", "the same code, a second run, in the same machine call after it"),
     (
+        "serve-cuda-idle-stores-3.json",
+        "the same code, a third run, on a second H100 session, right after serve-cuda-before-idle-stores-2.json",
+    ),
+    (
         "serve-cuda-before-idle-stores.json",
         "that H100, later in the same machine session: the code before (the generation thread waits for "
         "requests being checked)",
+    ),
+    (
+        "serve-cuda-before-idle-stores-2.json",
+        "the code before, a second run, on the second H100 session, just before serve-cuda-idle-stores-3.json",
     ),
     (
         "serve-cuda-batched-replies.json",
