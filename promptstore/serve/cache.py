@@ -87,6 +87,17 @@ def split_segments(segments: list[list[int]], kinds: list[str], points) -> tuple
 
 
 @dataclass
+class _Waiting:
+    """An insert handed over by mlx-lm and not yet done."""
+
+    work: Callable[[], None]
+    n_tokens: int
+    cache_type: str
+    owners: frozenset  # the requests whose tokens these are (at most one part of each request's prompt waits)
+    asked: list[int]  # a finished request's prompt: its next turn goes on with it
+
+
+@dataclass
 class _Pending:
     """The fetch `_tokenize` made, for the fetch_nearest_cache call that follows it."""
 
@@ -122,7 +133,7 @@ class StoreCache:
         self._pending: _Pending | None = None
         self.last_hit: Hit | None = None  # the figures of the last begin()'s hit, for its request's log line
         self._busy: deque[tuple[float, float]] = deque(maxlen=1024)  # store calls on the generation thread
-        self._deferred: deque = deque()  # inserts handed over by mlx-lm, not yet done (run_deferred)
+        self._deferred: deque[_Waiting] = deque()  # parts of prompts handed over, not yet done (run_deferred)
         # Finished requests' inserts, done when no request waits for its first
         # token (run_background); at most this many wait, each holding its
         # cache (the server sets it to its batch's size, --decode-concurrency).
@@ -136,7 +147,7 @@ class StoreCache:
         # batch of four ~5k-token chats padded from ~19 to ~69 new tokens took
         # 60-100 ms longer, a reply's insert alone 21-74 ms, median 38 (docs/serve.md).
         self.replies_before_fetch = True
-        self._background: deque = deque()
+        self._background: deque[_Waiting] = deque()
 
     @contextmanager
     def _timed(self):
@@ -191,10 +202,11 @@ class StoreCache:
         Returns the prompt to hand mlx_lm.server (its lifetime is the request's)
         and the positions where the store asks for checkpoints.
         """
+        prompt = list(prompt)
         self.run_deferred()  # the fetch finds every part of a prompt handed over before it
-        if self.replies_before_fetch:
-            self._run_replies_of(list(prompt))  # and its own conversation's last reply
-        request = InFlightRequest(tenant, list(prompt), chat)
+        if self.replies_before_fetch and self._background:
+            self._run_replies_of(prompt)  # and its own conversation's last reply
+        request = InFlightRequest(tenant, prompt, chat)
         tracked: TrackedPrompt = self.inflight.track(request)
         hit = None
         if cacheable and self.model is not None:
@@ -253,33 +265,34 @@ class StoreCache:
         A failed insert is logged and skipped: it must never stop the generation
         thread, and the store leaves itself as it was.
         """
+        tokens = [int(t) for t in tokens]
         try:
             with self._timed():
-                work, within_prompt, owners = self._prepare_insert(model, [int(t) for t in tokens], prompt_cache)
+                work, within_prompt, owners = self._prepare_insert(model, tokens, prompt_cache)
         except Exception:
             log.exception("insert of %d tokens (%s) not stored", len(tokens), cache_type)
             return
         if work is None:
             return
         if within_prompt:
-            if any(owners & waiting for *_, waiting in self._deferred):
+            if any(owners & waiting.owners for waiting in self._deferred):
                 self.run_deferred()  # at most one part of each request's prompt waits
             _own_copy(prompt_cache)  # so that what waits holds its request's arrays, not the batch's
-            self._deferred.append((work, len(tokens), cache_type, owners))
+            self._deferred.append(_Waiting(work, len(tokens), cache_type, owners, []))
         elif not self.background:
-            self._run(work, len(tokens), cache_type)
+            self._run(_Waiting(work, len(tokens), cache_type, owners, []))
         else:
             if len(self._background) >= self.background_limit:
                 self._background.popleft()  # the oldest reply: its next turn re-prefills it, if it comes
                 self.counts["reply_inserts_dropped"] += 1
                 log.debug("a finished request's insert dropped: %d wait already", self.background_limit)
-            asked = min(len(o.prompt) for o in owners)  # the finished request's prompt
-            self._background.append((work, len(tokens), cache_type, list(tokens[:asked])))
+            asked = tokens[: min(len(o.prompt) for o in owners)]  # the finished request's prompt
+            self._background.append(_Waiting(work, len(tokens), cache_type, owners, asked))
 
     def run_deferred(self) -> None:
         """Do the inserts handed over since the last call, in order (generation thread)."""
         while self._deferred:
-            self._run(*self._deferred.popleft()[:3])
+            self._run(self._deferred.popleft())
 
     @property
     def has_background(self) -> bool:
@@ -294,23 +307,23 @@ class StoreCache:
         first (generation thread), after the parts of prompts handed over before them."""
         self.run_deferred()
         while self._background and (n is None or n > 0):
-            self._run(*self._background.popleft()[:3])
+            self._run(self._background.popleft())
             n = None if n is None else n - 1
 
     def _run_replies_of(self, prompt: list[int]) -> None:
         """Run the waiting inserts of the conversations `prompt` goes on with (their
         finished request's prompt is a prefix of it), oldest first."""
-        own = [item for item in self._background if _goes_on_with(prompt, item[3])]
+        own = [item for item in self._background if _goes_on_with(prompt, item.asked)]
         for item in own:
             self._background.remove(item)
-            self._run(*item[:3])
+            self._run(item)
 
-    def _run(self, work: Callable[[], None], n_tokens: int, cache_type: str) -> None:
+    def _run(self, item: _Waiting) -> None:
         try:
             with self._timed():
-                work()
+                item.work()
         except Exception:
-            log.exception("insert of %d tokens (%s) not stored", n_tokens, cache_type)
+            log.exception("insert of %d tokens (%s) not stored", item.n_tokens, item.cache_type)
 
     def _prepare_insert(self, model_key, tokens: list[int], prompt_cache):
         """The insert of `tokens` (None if nothing is to be stored), whether the

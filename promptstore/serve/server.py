@@ -185,7 +185,11 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
 
     def _quiet(self) -> bool:
         """No request is being checked, queued, or waiting for its first token."""
-        return not self.arrivals.pending and self.requests.empty() and not self.store_cache.awaiting_first_token()
+        return not self.arrivals.pending and self._nothing_to_serve()
+
+    def _nothing_to_serve(self) -> bool:
+        """No request is queued or waiting for its first token."""
+        return self.requests.empty() and not self.store_cache.awaiting_first_token()
 
     def _before_step(self) -> None:
         cache = self.store_cache
@@ -211,9 +215,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         on HTTP threads do not count: the next turns of a burst need their
         conversations' replies stored, and the generation thread would only wait
         for the checks (about as long as a reply's insert)."""
-        if not self.store_cache.replies_before_fetch:
-            return self._quiet()
-        return self.requests.empty() and not self.store_cache.awaiting_first_token()
+        return self._nothing_to_serve() if self.store_cache.replies_before_fetch else self._quiet()
 
     def health(self) -> tuple[int, dict]:
         """/health's status and body: 503 "loading" until the model is loaded and

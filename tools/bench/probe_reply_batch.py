@@ -5,9 +5,10 @@ prefills the reply's re-rendered tokens (~50 with a random-weight model) on
 top of its conversation's cache (~5k tokens). When several next turns come
 together, their replies are stored before their fetches. This times, on the
 model of bench_serve's profile: each reply's prefill on its own (synchronised),
-and the replies as one batch through mlx-lm's prompt batch, split into its parts (merging the caches, the forward
-pass, moving the padding and extracting each sequence), with and without
-mlx-lm's buffer-cache clearing after each evaluation.
+and the replies as one batch through mlx-lm's prompt batch, with and without
+mlx-lm's buffer-cache clearing after each evaluation, and split into its parts
+(merging the caches, the forward pass, moving the padding and extracting each
+sequence).
 
     python tools/bench/probe_reply_batch.py --profile cuda --out bench-results/probe-reply-batch-cuda.json
 """
