@@ -230,3 +230,43 @@ def test_a_node_in_pieces_spreads_over_the_shards(tmp_path, redis_cluster, model
         hit = b.bind(model, model_id="m").fetch(tokens)
         assert hit.remote_tokens == 280 and not b.tiers.reports
         assert_faithful(model, hit, tokens)
+
+
+def test_a_shard_that_stops_mid_fetch_costs_one_bounded_miss(tmp_path, own_redis_cluster, model_of):
+    """A node's pieces on every shard are read side by side, a thread a shard: one
+    primary stopped once the lookup is done (SIGSTOP, well within the node timeout:
+    no failover) makes the fetch a miss after about one timeout, whichever shard it is (read on the calling
+    thread or beside it); no connection is left in use, and once it runs again the
+    next fetch restores every piece."""
+    cluster, model = own_redis_cluster, model_of("llama")
+    tokens = prompt_tokens(300, seed=67)
+    publish_in_pieces(tmp_path / "a", cluster.url, model, tokens[:280], piece_bytes=1 << 14)
+    primaries = cluster.primaries()
+    assert all(any(True for _ in s.client().scan_iter(match=BLOB_PREFIX + "*")) for s in primaries)
+    for n, stopped in enumerate(primaries):
+        with promptstore.PromptStore.open(tmp_path / f"b{n}", remote_url=cluster.url, remote_timeout=0.2) as b:
+            space, remote = b.bind(model, model_id="m"), b.tiers.remote
+            remote.client.ping()  # connections open and the slot table read, as a serving store has
+            stream = remote._stream
+
+            def stop_then_stream(names, each, into, stopped=stopped, stream=stream):
+                stopped.proc.send_signal(signal.SIGSTOP)  # the lookup went well: the values' shard stops
+                return stream(names, each, into)
+
+            remote._stream = stop_then_stream
+            try:
+                started = time.monotonic()
+                miss = space.fetch(tokens)
+                waited = time.monotonic() - started
+            finally:
+                stopped.proc.send_signal(signal.SIGCONT)
+                del remote._stream
+            assert miss.length == 0 and "remote_down" in {r.reason for r in b.tiers.reports}, (n, miss)
+            assert waited < HANG_GUARD
+            pools = [node.redis_connection.connection_pool for node in remote.client.topology().get_nodes()]
+            assert not any(pool._in_use_connections for pool in pools), f"shard {n}: connections left in use"
+            remote._down_until = 0.0  # do not wait out the retry pause
+            hit = space.fetch(tokens)
+            assert (hit.length, hit.remote_tokens) == (280, 280), (n, hit)
+            assert remote.client._readers is not None  # the shards were read side by side
+            assert_faithful(model, hit, tokens)

@@ -222,11 +222,13 @@ def fetch_ceilings(args, model, servers: list[Server], tmp: Path) -> dict:
     verified arrays. Every server's runs interleave, so load on a shared machine
     falls on all of them alike."""
     prompt = mx.random.randint(0, 512, (args.prefix + args.suffix,), key=mx.random.key(8))
-    blobs = {}
+    blobs, spread = {}, {}
     for server in servers:
         server.flushall()
         publish_node(model, prompt, [args.prefix], server, tmp / f"a-{server.name}", args.piece_bytes)
         names = server.blob_keys()
+        # A cluster reads its shards side by side: the shard holding the most pieces sets the pace.
+        spread[server.name] = [sum(1 for _ in p.client().scan_iter(match=BLOB_PREFIX + "*")) for p in server.primaries]
         values = [server.client.get(n) for n in names]
         server.client.set("bench:whole", b"".join(values))
         blobs[server.name] = (names, sum(len(v) for v in values))
@@ -265,6 +267,7 @@ def fetch_ceilings(args, model, servers: list[Server], tmp: Path) -> dict:
         out[server.name] = {
             "blob_bytes": blob,
             "pieces": len(names),
+            "pieces_by_shard": spread[server.name],
             "times": times,
             "throughput_gb_s": {kind: blob / m / 1e9 for kind, m in med.items()},
             "remote_over_local_cold": med["remote_hit"] / med["local_cold"],
@@ -535,6 +538,8 @@ def report_fetch(f: dict) -> None:
         cells = "".join(f"{t[k]['median_s'] * 1e3:9.1f} ms" for k in columns)
         print(f"    {name:>8}{cells}{row['remote_over_local_cold']:9.2f}x{row['throughput_over_raw_get']:8.2f}x")
         print(f"    {'GB/s':>8}" + "".join(f"{g[k]:12.2f}" for k in columns))
+    if f.get("cluster") is not None:
+        print(f"    the cluster's pieces by shard: {f['cluster'].get('pieces_by_shard')}")
     for name, row in f["partial_chain"].items():
         print(
             f"    chain of 2, B {name.replace('_', ' ')}: hit {row['time']['median_s'] * 1e3:.1f} ms, its fetch "

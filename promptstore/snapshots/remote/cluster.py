@@ -7,12 +7,16 @@ and the next call asks the cluster again which shard serves which slot.
 Replies to a fetch's GETs, from a shard or from one server, are read off the
 socket straight into buffers the caller hands out (`read_values`): no parser's
 buffer and no bytes object per value between the kernel and the decryption.
+Each shard's values are read on a thread of their own, so the shards send side
+by side instead of each waiting for the one before to be read.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -39,6 +43,7 @@ REDIRECTS = 1  # MOVED or ASK (a failover or a reshard moved the slot) is follow
 STALE_REPLIES = (AskError, ClusterDownError, TryAgainError, ReadOnlyError)  # MovedError is an AskError
 SCHEMES = ("redis+cluster://", "rediss+cluster://")
 LINE = 64 << 10  # the most bytes read ahead for a reply's first line (the rest of a value is read into place)
+READERS = 15  # threads reading shards' values beside the calling thread (a shard each)
 
 # (reply index, value length) -> the writable buffer of exactly that length the value is read into,
 # or None when the caller takes no value that long.
@@ -97,6 +102,7 @@ class ClusterClient:
         self._cluster: RedisCluster | None = None
         self._stale = False  # a call failed: ask for the slots' owners before the next
         self._lock = threading.Lock()
+        self._readers: tuple[int, ThreadPoolExecutor] | None = None  # (pid, threads) reading shards
 
     def topology(self) -> RedisCluster:
         """The cluster client, its table of slot owners fresh after a failure."""
@@ -135,8 +141,20 @@ class ClusterClient:
         return bool(self.topology().ping(target_nodes=RedisCluster.PRIMARIES))
 
     def close(self) -> None:
+        with self._lock:
+            readers, self._readers = self._readers, None
+        if readers is not None and readers[0] == os.getpid():
+            readers[1].shutdown(wait=True)  # each read is bounded by the socket timeout
         if self._cluster is not None:
             self._cluster.close()
+
+    def _reader_threads(self) -> ThreadPoolExecutor:
+        """The threads that read shards' values beside the calling thread (this
+        process's: a forked child makes its own)."""
+        with self._lock:
+            if self._readers is None or self._readers[0] != os.getpid():
+                self._readers = (os.getpid(), ThreadPoolExecutor(READERS, thread_name_prefix="promptstore-shard"))
+            return self._readers[1]
 
     # --- one round trip to every shard --------------------------------------------------
 
@@ -147,7 +165,8 @@ class ClusterClient:
         order; the first error reply is raised, as a redis-py pipeline does.
 
         each: called with (index, reply) as each reply other than an error is read,
-        while the others are still arriving (a shard's in order, shard after shard).
+        while the others are still arriving (a shard's in order; with `into`, from
+        the thread reading that shard, the shards side by side).
         into: when every command is a GET, where each value is read (read_values);
         the replies are then those buffers (None where absent).
         """
@@ -190,10 +209,9 @@ class ClusterClient:
                 opened.append((client, connection, batch))
                 packed = [c for i, asking in batch for c in ([("ASKING",)] if asking else []) + [commands[i]]]
                 connection.send_packed_command(connection.pack_commands(packed))
-            for client, connection, batch in opened:
-                if into is not None:
-                    _read_values(connection, batch, replies, each, into)
-                    continue
+            if into is not None:
+                self._read_shards(opened, replies, each, into)
+            for client, connection, batch in opened if into is None else ():
                 for i, asking in batch:
                     if asking:
                         _reply(client, connection, "ASKING")
@@ -208,6 +226,31 @@ class ClusterClient:
         finally:
             for client, connection, _ in opened:
                 client.connection_pool.release(connection)
+
+    def _read_shards(self, opened: list, replies: list, each, into: Into) -> None:
+        """Every shard's values (GETs), each shard read on its own thread (the first
+        on this one) while the others arrive. Waits for every read to end (each
+        bounded by its socket's timeout, and none left using a connection), then
+        raises the first shard's error, if any."""
+        if len(opened) == 1:
+            _, connection, batch = opened[0]
+            _read_values(connection, batch, replies, each, into)
+            return
+        threads = self._reader_threads()
+        others = [threads.submit(_read_values, c, b, replies, each, into) for _, c, b in opened[1:]]
+        first: BaseException | None = None
+        try:
+            _, connection, batch = opened[0]
+            _read_values(connection, batch, replies, each, into)
+        except BaseException as e:
+            first = e
+            for _, c, _ in opened[1:]:
+                c.disconnect()  # the other reads end at once, not at their timeouts
+        for done in others:
+            error = done.exception()
+            first = first if first is not None else error
+        if first is not None:
+            raise first
 
     def _redirected(self, cluster: RedisCluster, replies: list) -> dict:
         """Commands answered MOVED (to the slot's new owner) or ASK (to the node
