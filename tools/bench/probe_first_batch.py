@@ -14,6 +14,8 @@ MODE spill [--beside]: batches as in `batch` (kernels warmed by a first one), ea
             server's spill thread runs beside requests), and one more batch follows it.
             --staged: the variants none, released and staged (the arrays copied by the copy
             engine into pinned host buffers and hashed there, as ColdTier.write does on CUDA).
+MODE keep: batches as in `batch` (kernels warmed by a first one), alternating mlx-lm as it is
+            (MLX's buffer cache emptied after each prompt step) with mx.clear_cache a no-op.
 Options of batch: --warm-prefix N (the server's kernel warm-up first, with N-token prefixes),
 --digest (the weights digest the server makes without --model-id), --clear (mx.clear_cache() after it).
 Llama-3.1-8B's shape with random bfloat16 weights; PROBE_SMALL=1 makes it 2 small layers (a smoke run).
@@ -256,6 +258,28 @@ def spill_mode(beside: bool):
     out["spill"] = res
 
 
+def keep_mode():
+    """Batches with MLX's buffer cache emptied after each prompt step (as mlx-lm
+    does) and kept, alternating, after a first batch that builds the kernels."""
+    from unittest import mock
+
+    model = tiny_model("llama", seed=0, dtype=mx.bfloat16, vocab_size=VOCAB, **MODEL)
+    mx.eval(model.parameters())
+    batch(model, [5000, 5002, 5005, 5001], 1)
+    res = {"cleared": [], "kept": []}
+    for i in range(8):
+        base = 5096 + 37 * i
+        variant = "kept" if i % 2 else "cleared"
+        if variant == "kept":
+            with mock.patch.object(mx, "clear_cache", lambda: None):
+                r = batch(model, [base + d for d in (0, 2, 5, 1)], 100 * i)
+        else:
+            r = batch(model, [base + d for d in (0, 2, 5, 1)], 100 * i)
+        res[variant].append(r)
+        print(variant, r, flush=True)
+    out["keep"] = res
+
+
 def main():
     mode = sys.argv[1]
     if mode == "sdpa":
@@ -264,6 +288,8 @@ def main():
         prefill_mode()
     elif mode == "spill":
         spill_mode("--beside" in sys.argv)
+    elif mode == "keep":
+        keep_mode()
     else:
         warm_prefix = int(sys.argv[sys.argv.index("--warm-prefix") + 1]) if "--warm-prefix" in sys.argv else 0
         a = time.perf_counter()
