@@ -102,6 +102,17 @@ def checksums(arrays: dict[str, mx.array], then: Callable[[list[mx.array]], obje
     return {name: digest for f in pending for name, digest in f.result()}
 
 
+def span_checksums(data: memoryview, spans: dict[str, tuple[int, int]]) -> dict[str, str]:
+    """xxh3-128 of each span [lo, hi) of data, by name: on the hashing threads, a
+    span each, when there is enough to share (as checksums() does for arrays)."""
+    total = sum(hi - lo for lo, hi in spans.values())
+    if len(spans) < 2 or total < PARALLEL_HASH_BYTES:
+        return {name: xxhash.xxh3_128_hexdigest(data[lo:hi]) for name, (lo, hi) in spans.items()}
+    pool = _hash_pool()
+    pending = {name: pool.submit(xxhash.xxh3_128_hexdigest, data[lo:hi]) for name, (lo, hi) in spans.items()}
+    return {name: done.result() for name, done in pending.items()}
+
+
 def _hash_run(views: list[tuple[str, memoryview]], run: list[mx.array], then) -> list[tuple[str, str]]:
     digests = [(n, xxhash.xxh3_128_hexdigest(v)) for n, v in views]
     if then is not None:
@@ -363,8 +374,9 @@ def load_bytes(data: memoryview, node: NodeId, rel: str) -> list[Snapshot]:
     meta = checked_identity(metadata, rel, node)
     record = checked_record(rel, meta, header, metadata)
     spans = {name: (base + info["data_offsets"][0], base + info["data_offsets"][1]) for name, info in header.items()}
-    for name, (lo, hi) in spans.items():
-        if xxhash.xxh3_128_hexdigest(data[lo:hi]) != meta.checksums[name]:
+    sums = span_checksums(data, spans)
+    for name in spans:
+        if sums[name] != meta.checksums[name]:
             raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
     arrays = {name: _array_of(data, spans[name][0], info) for name, info in header.items()}
     mx.eval(list(arrays.values()))

@@ -108,6 +108,36 @@ def test_a_node_file_in_memory_is_verified_as_the_file_is(tmp_path, dtype, kv_bi
     assert raised.value.reason == "identity"
 
 
+@pytest.mark.parametrize("damaged", [None, "middle", "last"])
+def test_a_large_node_in_memory_is_checked_on_the_hashing_threads(tmp_path, damaged):
+    """Arrays enough to share (past PARALLEL_HASH_BYTES) are hashed a span each on the
+    hashing threads: what they find equals the file's own load, and a byte flipped
+    in a middle array or the last one is caught there as in turn."""
+    from promptstore.caches import KVCache
+    from promptstore.snapshots.cold import PARALLEL_HASH_BYTES
+
+    snaps = []
+    for i in range(3):
+        c = KVCache()
+        k = mx.random.normal((1, 8, 1024, 64), key=mx.random.key(90 + i))  # 2 MiB an array
+        c.update_and_fetch(k, k * 2)
+        snaps.append(c.snapshot(0).eval())
+    cold = ColdTier(tmp_path / "cold")
+    node = NodeId(os.urandom(16), os.urandom(16), 0, 1024)
+    ref = cold.write(node, snaps)
+    raw = bytearray(cold.absolute(ref.path).read_bytes())
+    assert len(raw) >= 2 * PARALLEL_HASH_BYTES
+    if damaged is None:
+        got = load_bytes(memoryview(bytes(raw)), node, "fetched")
+        for a, b in zip(cold.load(ref.path, node), got):
+            assert all(mx.array_equal(a.arrays[k], b.arrays[k]).item() for k in a.arrays)
+        return
+    raw[len(raw) // 2 if damaged == "middle" else len(raw) - 5] ^= 0x01  # inside an array's bytes
+    with pytest.raises(ColdFileError) as raised:
+        load_bytes(memoryview(bytes(raw)), node, "fetched")
+    assert raised.value.reason == "checksum"
+
+
 # --- a chain held in part ------------------------------------------------------------------
 
 
