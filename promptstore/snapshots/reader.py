@@ -16,19 +16,27 @@ reads them:
   array without filling it), so the cold tier uses MLX's loader on those
   backends and this placement serves the tests of the reader's logic.
 
+The same threads place a node file's bytes already in memory (a remote hit's
+blob, `BytesRead`): each chunk copied from there instead of read from a file,
+hashed and placed alike; on CUDA that replaces a copy into MLX's managed
+memory at a fraction of the bus's speed.
+
 Nothing in Python runs inside MLX's loader, and nothing here uses a byte: the
 caller compares the digests before any array leaves the cold tier.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
+import numpy as np
 import xxhash
 
 from . import device
@@ -66,6 +74,11 @@ class ProcessPool:
 _read_pool = ProcessPool(THREADS, "promptstore-read")  # the reading threads
 
 
+# fill(view, offset): the source's bytes [offset, offset + len(view)) into view,
+# or ShortRead where the source ends first.
+Fill = Callable[[memoryview, int], None]
+
+
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
@@ -73,6 +86,13 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
         if got == 0:
             raise ShortRead(f"the file ends {len(view) - done} bytes before an array does")
         done += got
+
+
+def _copy_from(data: memoryview, view: memoryview, offset: int) -> None:
+    if offset + len(view) > len(data):
+        raise ShortRead(f"the bytes end {offset + len(view) - len(data)} bytes before an array does")
+    # numpy's copy lets go of the interpreter (a memoryview's does not): the threads copy side by side
+    np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(data, np.uint8, len(view), offset))
 
 
 ALIGN = 256  # where each array starts in its block
@@ -138,11 +158,11 @@ class HostWrites(_Placement):
     def _target(self, base: memoryview, offset: int, nbytes: int) -> memoryview:
         return base[offset : offset + nbytes]
 
-    def read(self, fd: int, offset: int, nbytes: int, view: memoryview) -> tuple[str, bytes]:
+    def read(self, fill: Fill, offset: int, nbytes: int, view: memoryview) -> tuple[str, bytes]:
         digest, ends = xxhash.xxh3_128(), Ends()
         for start in range(0, nbytes, CHUNK):
             chunk = view[start : min(start + CHUNK, nbytes)]
-            _pread_into(fd, chunk, offset + start)
+            fill(chunk, offset + start)
             digest.update(chunk)
             ends.add(chunk)
         return digest.hexdigest(), ends.value()
@@ -203,7 +223,7 @@ class StagedCopies(_Placement):
             _staging.buffers = [[*rt.pinned(CHUNK), rt.event(), False] for _ in range(2)]
         return _staging.buffers, _staging.size
 
-    def read(self, fd: int, offset: int, nbytes: int, address: int) -> tuple[str, bytes]:
+    def read(self, fill: Fill, offset: int, nbytes: int, address: int) -> tuple[str, bytes]:
         rt = self.runtime
         buffers, chunk = self._buffers()
         digest, ends = xxhash.xxh3_128(), Ends()
@@ -215,7 +235,7 @@ class StagedCopies(_Placement):
                     rt.wait(done)  # its previous chunk is on the device
                     buffer[3] = False
                 m = min(chunk, nbytes - start)
-                _pread_into(fd, view[:m], offset + start)
+                fill(view[:m], offset + start)
                 digest.update(view[:m])
                 ends.add(view[:m])
                 rt.copy_async(address + start, ptr, m, done)
@@ -259,21 +279,22 @@ def destination():
     return StagedCopies(runtime) if runtime is not None else HostWrites()
 
 
-class FileRead:
-    """The reading of one open file's arrays, under way on the reading threads.
+class ArrayReads:
+    """The placing of one node file's arrays from a source (`fill`), under way on
+    the reading threads.
 
     `result()` gives the arrays and each one's xxh3-128 once every read is done
     (or raises the first error: OSError, ShortRead, device.CudaError;
     LandedElsewhere when the bytes read back from the arrays are not the
-    file's). The descriptor is closed when the last read ends, whoever waits
+    source's). `done` is called once, when the last read ends, whoever waits
     for it.
     """
 
-    def __init__(self, fd: int, tensors: dict, base: int, placing=None):
+    def __init__(self, fill: Fill, tensors: dict, base: int, placing=None, done: Callable[[], None] | None = None):
         self.arrays: dict[str, mx.array] = {}
         self._reads: dict[str, Future] = {}
-        # The descriptor stays open while this constructor or any read may use it.
-        self._fd, self._users, self._lock = fd, 1, threading.Lock()
+        # The source stays usable while this constructor or any read may use it.
+        self._fill, self._done, self._users, self._lock = fill, done, 1, threading.Lock()
         try:
             placing = placing if placing is not None else destination()
             names = sorted(tensors, key=lambda n: tensors[n]["data_offsets"][0])
@@ -291,7 +312,7 @@ class FileRead:
         with self._lock:
             self._users += 1
         try:
-            future = pool.submit(read, self._fd, offset, nbytes, where)
+            future = pool.submit(read, self._fill, offset, nbytes, where)
         except BaseException:
             self._release()
             raise
@@ -303,7 +324,8 @@ class FileRead:
             self._users -= 1
             if self._users:
                 return
-        os.close(self._fd)
+        if self._done is not None:
+            self._done()
 
     def result(self) -> tuple[dict[str, mx.array], dict[str, str]]:
         digests, ends, error = {}, {}, None
@@ -319,9 +341,25 @@ class FileRead:
         return self.arrays, {name: digests.get(name, empty) for name in self.arrays}
 
 
+class FileRead(ArrayReads):
+    """The reading of one open file's arrays; the descriptor is closed when the
+    last read ends."""
+
+    def __init__(self, fd: int, tensors: dict, base: int, placing=None):
+        super().__init__(functools.partial(_pread_into, fd), tensors, base, placing, done=lambda: os.close(fd))
+
+
+class BytesRead(ArrayReads):
+    """The placing of a node file's arrays from its bytes held in memory (which
+    must stay as they are until `result()` returns)."""
+
+    def __init__(self, data: memoryview, tensors: dict, base: int, placing=None):
+        super().__init__(functools.partial(_copy_from, data), tensors, base, placing)
+
+
 class LandedElsewhere(RuntimeError):
     """The bytes read back from where the arrays live are not the bytes read from
-    the file (the checksums, taken as the bytes were read, cannot see that)."""
+    the source (the checksums, taken as the bytes were read, cannot see that)."""
 
 
 failed: str | None = None  # set once copies are found to land elsewhere: this process reads through MLX

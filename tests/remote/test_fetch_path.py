@@ -15,7 +15,8 @@ import promptstore
 from promptstore.caches import snapshot_prompt_cache
 from promptstore.errors import ColdFileError, RemoteError
 from promptstore.identity import NodeId
-from promptstore.snapshots import ColdTier
+from promptstore.snapshots import ColdTier, reader
+from promptstore.snapshots import cold as cold_module
 from promptstore.snapshots.cold import load_bytes
 from promptstore.snapshots.remote.keys import BLOB_PREFIX
 from promptstore.snapshots.remote.seal import Assembly, seal_pieces
@@ -79,8 +80,16 @@ def test_a_bad_piece_makes_the_blob_an_error(fault):
     assert raised.value.reason == ("missing" if fault == "gone" else "garbage")
 
 
+@pytest.fixture(params=["copied into MLX", "reading threads"])
+def placed(request, monkeypatch):
+    """load_bytes copying the bytes into MLX arrays itself, or placing them through
+    the reading threads (CUDA's way, writing host memory here): the same checks."""
+    monkeypatch.setattr(cold_module, "PARALLEL_READS", request.param == "reading threads")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype,kv_bits", [("float32", None), ("bfloat16", None), ("float16", None), ("float32", 4)])
-def test_a_node_file_in_memory_is_verified_as_the_file_is(tmp_path, dtype, kv_bits):
+def test_a_node_file_in_memory_is_verified_as_the_file_is(tmp_path, placed, dtype, kv_bits):
     """load_bytes serves what ColdTier.load serves from the same bytes (every dtype a
     snapshot holds), and refuses them where one byte differs, or where they name
     another node."""
@@ -109,7 +118,7 @@ def test_a_node_file_in_memory_is_verified_as_the_file_is(tmp_path, dtype, kv_bi
 
 
 @pytest.mark.parametrize("damaged", [None, "middle", "last"])
-def test_a_large_node_in_memory_is_checked_on_the_hashing_threads(tmp_path, damaged):
+def test_a_large_node_in_memory_is_checked_on_the_hashing_threads(tmp_path, placed, damaged):
     """Arrays enough to share (past PARALLEL_HASH_BYTES) are hashed a span each on the
     hashing threads: what they find equals the file's own load, and a byte flipped
     in a middle array or the last one is caught there as in turn."""
@@ -136,6 +145,39 @@ def test_a_large_node_in_memory_is_checked_on_the_hashing_threads(tmp_path, dama
     with pytest.raises(ColdFileError) as raised:
         load_bytes(memoryview(bytes(raw)), node, "fetched")
     assert raised.value.reason == "checksum"
+
+
+class _Refuses(reader.HostWrites):
+    """A placement the device refuses (as a CUDA runtime error would)."""
+
+    def read(self, fill, offset, nbytes, view):
+        raise reader.device.CudaError("cudaMemcpyAsync failed (CUDA error 700)")
+
+
+class _Elsewhere(reader.HostWrites):
+    """Hashes the right bytes, which never reach the arrays (copies to a wrong address)."""
+
+    def read(self, fill, offset, nbytes, view):
+        return super().read(fill, offset, nbytes, memoryview(bytearray(nbytes)))
+
+
+@pytest.mark.parametrize("placement", [_Refuses, _Elsewhere])
+def test_bytes_the_reading_threads_fail_to_place_are_copied_instead(tmp_path, monkeypatch, caplog, placement):
+    """Not the bytes' fault: the same verified snapshots, through MLX's copy."""
+    monkeypatch.setattr(cold_module, "PARALLEL_READS", True)
+    monkeypatch.setattr(reader, "failed", None)
+    monkeypatch.setattr(reader, "destination", placement)
+    model = tiny_model("llama", num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    cache = fresh_cache(model)
+    forward(model, cache, prompt_tokens(40, seed=71))
+    snaps = snapshot_prompt_cache(cache, 0)
+    tier = ColdTier(tmp_path / "cold")
+    node = NodeId(os.urandom(16), os.urandom(16), 0, 40)
+    ref = tier.write(node, snaps)
+    got = load_bytes(memoryview(tier.absolute(ref.path).read_bytes()), node, "fetched")
+    for a, b in zip(snaps, got):
+        assert all(mx.array_equal(a.arrays[k], b.arrays[k]).item() for k in a.arrays)
+    assert "the bytes are copied into MLX" in caplog.text
 
 
 # --- a chain held in part ------------------------------------------------------------------

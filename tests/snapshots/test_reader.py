@@ -173,3 +173,39 @@ def test_the_ends_read_back_match_for_every_chunking(written, monkeypatch):
         tensors, _, base = header_of_fd(fd)
         got, _ = reader.FileRead(fd, tensors, base, reader.HostWrites()).result()  # checks the ends itself
         assert set(got) == set(arrays)
+
+
+# --- a node file's bytes already in memory (a remote hit's blob) ----------------------------
+
+
+def _raw(path) -> tuple[memoryview, dict, int]:
+    raw = path.read_bytes()
+    fd = open_regular(path)
+    try:
+        tensors, _, base = header_of_fd(fd)
+    finally:
+        os.close(fd)
+    return memoryview(raw), tensors, base
+
+
+@pytest.mark.parametrize("chunk", [7, 1000, 4 << 20])
+@pytest.mark.parametrize("block", [1, 1 << 30])
+def test_bytes_in_memory_give_every_array_and_digest(written, monkeypatch, chunk, block):
+    path, arrays = written
+    monkeypatch.setattr(reader, "CHUNK", chunk)
+    monkeypatch.setattr(reader, "BLOCK_BYTES", block)
+    data, tensors, base = _raw(path)
+    got, digests = reader.BytesRead(data, tensors, base, reader.HostWrites()).result()
+    assert set(got) == set(arrays) == set(digests)
+    for name, a in arrays.items():
+        assert got[name].dtype == a.dtype and got[name].shape == a.shape
+        assert mx.array_equal(got[name], a).item(), name
+        assert digests[name] == xxhash.xxh3_128_hexdigest(memoryview(mx.contiguous(a))), name
+
+
+def test_bytes_that_end_before_an_array_raise_short_read(written, monkeypatch):
+    path, _ = written
+    monkeypatch.setattr(reader, "CHUNK", 64)
+    data, tensors, base = _raw(path)
+    with pytest.raises(reader.ShortRead):
+        reader.BytesRead(data[:-10], tensors, base, reader.HostWrites()).result()
