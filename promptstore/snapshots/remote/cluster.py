@@ -14,6 +14,7 @@ by side instead of each waiting for the one before to be read.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -245,7 +246,7 @@ class ClusterClient:
         except BaseException as e:
             first = e
             for _, c, _ in opened[1:]:
-                c.disconnect()  # the other reads end at once, not at their timeouts
+                _shut(c)  # the other reads end at once, not at their timeouts
         for done in others:
             error = done.exception()
             first = first if first is not None else error
@@ -265,6 +266,19 @@ class ClusterClient:
                 if node is not None:
                     todo[i] = (node, True)
         return todo
+
+
+def _shut(connection) -> None:
+    """End every read of a connection's socket now (a blocked one returns, the next
+    finds it closed) without closing it: the thread still reading it holds its
+    descriptor, which must not be freed for another file to take meanwhile. The
+    caller disconnects it once every read has ended."""
+    sock = connection._sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed by the server's side
 
 
 def _read_values(connection, batch: list[tuple[int, bool]], replies: list, each, into: Into) -> None:
