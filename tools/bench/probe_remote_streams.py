@@ -4,8 +4,10 @@ ready buffer by `read_values`), by how many sockets read side by side.
 
 One node of `--mib` MiB in pieces of 8 MiB (the tier's piece size):
 - one server, the pieces on one connection, then split over 2, 3 and 4
-  connections read on a thread each; then the same with the server's I/O
-  threads on (`--io-threads 4`), an operator's setting;
+  connections read on a thread each; then with the server's I/O threads on
+  (`--io-threads 4` over 1, 4 and 8 connections, `--io-threads 2` over 4), an
+  operator's setting, which Redis uses only while at least twice as many
+  clients as threads wait for replies;
 - three separate servers (a cluster's three primaries, without the cluster's
   slot routing), a third of the pieces on each, read one server after the other
   (how the cluster client read its shards before) and side by side;
@@ -114,6 +116,7 @@ def main(argv=None) -> int:
         for name, extra in (
             ("single", ()),
             ("io_threads", ("--io-threads", "4")),
+            ("io_threads_2", ("--io-threads", "2")),
             ("shard0", ()),
             ("shard1", ()),
             ("shard2", ()),
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
             servers[name] = RedisServer(Path(tmp) / name, *extra).start()
         try:
             clients = {k: s.client() for k, s in servers.items()}
-            for key in ("single", "io_threads"):
+            for key in ("single", "io_threads", "io_threads_2"):
                 clients[key].mset(dict(zip(names, values)))
             shards = [names[i::3] for i in range(3)]
             for i, part in enumerate(shards):
@@ -144,6 +147,10 @@ def main(argv=None) -> int:
                 "one server, 4 connections": split(clients["single"], 4),
                 "io-threads 4, 1 connection": split(clients["io_threads"], 1),
                 "io-threads 4, 4 connections": split(clients["io_threads"], 4),
+                # Redis hands writes to its I/O threads only while at least twice as many
+                # clients wait for replies as it has threads.
+                "io-threads 4, 8 connections": split(clients["io_threads"], 8),
+                "io-threads 2, 4 connections": split(clients["io_threads_2"], 4),
                 "3 servers, one after another": lambda: [fn(*a) for fn, a in three],
                 "3 servers, side by side": lambda: side_by_side(pool, three),
                 "loopback socket (no server)": lambda: socket_ceiling(nbytes, memoryview(dst)),
