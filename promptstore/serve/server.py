@@ -598,9 +598,7 @@ def main(argv=None) -> int:
         if store is not None:
             shutdown.begin()
             store.close()
-            if store.unwritten[0]:
-                log.warning("store closed: %d nodes the disk refused are lost", store.unwritten[0])
-            else:
+            if not store.unwritten[0]:  # else close() warned of what the disk refused
                 log.info("store closed: everything is on disk")
     _exit_now(0)
 

@@ -280,7 +280,7 @@ def test_writer_queue_of_one_with_nothing_hot(tmp_path):
 
 def test_a_close_on_a_disk_that_refuses_every_spill_says_what_is_lost(tmp_path, monkeypatch, caplog):
     """Nodes whose spills the disk refused stay in memory; a close says how many
-    are lost with the process (serve logs it instead of "everything is on disk")."""
+    are lost with the process (and serve does not say "everything is on disk")."""
     import errno
 
     from promptstore.snapshots import cold

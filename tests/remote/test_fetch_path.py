@@ -120,8 +120,9 @@ def test_a_node_file_in_memory_is_verified_as_the_file_is(tmp_path, placed, dtyp
 @pytest.mark.parametrize("damaged", [None, "middle", "last"])
 def test_a_large_node_in_memory_is_checked_on_the_hashing_threads(tmp_path, placed, damaged):
     """Arrays enough to share (past PARALLEL_HASH_BYTES) are hashed a span each on the
-    hashing threads: what they find equals the file's own load, and a byte flipped
-    in a middle array or the last one is caught there as in turn."""
+    hashing threads, or as the reading threads place them: what they find equals
+    the file's own load, and a byte flipped in a middle array or the last one is
+    caught either way."""
     from promptstore.caches import KVCache
     from promptstore.snapshots.cold import PARALLEL_HASH_BYTES
 
