@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 
-.PHONY: setup demo test test-slow cold-stress lint format bench bench-anchors soak soak-quick openblas redis redis-cluster clean
+.PHONY: setup demo test test-slow cold-stress lint format bench bench-anchors soak soak-quick openblas redis redis-cluster redis-sentinel clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -90,6 +90,10 @@ redis:
 # shared tier by hand: prints its remote_url; Ctrl-C tears it down.
 redis-cluster: setup redis
 	$(BIN)/python -m promptstore.testing.redis_cluster
+
+# A primary, its replica and three Sentinels on free loopback ports, the same way.
+redis-sentinel: setup redis
+	$(BIN)/python -m promptstore.testing.redis_sentinel
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

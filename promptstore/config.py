@@ -74,8 +74,9 @@ class Settings(BaseModel):
     # The remote tier: a Redis or Valkey every replica shares (docs/remote.md).
     remote_url: str | None = Field(
         None,
-        description="redis://host:port/db (or rediss://, unix://) shared by every replica, or a Redis Cluster as "
-        "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS); None: no remote tier",
+        description="redis://host:port/db (or rediss://, unix://) shared by every replica, a Redis Cluster as "
+        "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS), or a primary Sentinels watch as "
+        "redis+sentinel://host:port[,host:port...]/service[/db] (rediss+sentinel:// for TLS); None: no remote tier",
     )
     remote_secret: str | None = Field(
         None,
@@ -102,9 +103,12 @@ class Settings(BaseModel):
     def _redis_url(cls, url: str | None) -> str | None:
         if url is not None and url.startswith(CLUSTER_SCHEMES):
             check_cluster_url(url)  # raises, naming what is wrong
+        elif url is not None and url.startswith(SENTINEL_SCHEMES):
+            check_sentinel_url(url)
         elif url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
-                f"{_redacted(url)!r}: a redis://, rediss://, unix://, redis+cluster:// or rediss+cluster:// URL"
+                f"{_redacted(url)!r}: a redis://, rediss://, unix://, redis+cluster://, rediss+cluster://, "
+                "redis+sentinel:// or rediss+sentinel:// URL"
             )
         return url or None
 
@@ -135,34 +139,63 @@ class Settings(BaseModel):
             raise SettingsError(f"invalid settings: {problems}") from None
 
 
-# --- a Redis Cluster's URL -------------------------------------------------------------
-# Checked here; the remote tier splits it again (snapshots/remote/cluster.py, the same way).
+# --- a Redis Cluster's or Sentinels' URL ----------------------------------------------
+# Checked here; the remote tier splits it again (snapshots/remote/cluster.py and
+# sentinel.py, the same way).
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
-CLUSTER_TLS_OPTIONS = frozenset({"ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile"})
+SENTINEL_SCHEMES = ("redis+sentinel://", "rediss+sentinel://")
+TLS_OPTIONS = frozenset({"ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile"})
+SENTINEL_OPTIONS = frozenset({"sentinel_username", "sentinel_password"})  # the Sentinels' own credentials
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?)$")
+_SERVICE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 def check_cluster_url(url: str) -> None:
     """redis+cluster://[user:password@]host:port[,host:port...][/0], or rediss+cluster://
     (TLS; it may add ?ssl_ca_certs=...&ssl_cert_reqs=...); ValueError names what is wrong."""
+    shown, parts = _checked_hosts(url, "cluster")
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError(f"{shown!r}: a cluster has database 0 only, not {parts.path[1:]!r}")
+    _check_options(shown, parts.query, TLS_OPTIONS if parts.scheme == "rediss+cluster" else frozenset())
+
+
+def check_sentinel_url(url: str) -> None:
+    """redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]: the
+    Sentinels to ask (any one that answers is enough) for the primary of `service`,
+    whose credentials the URL carries; ?sentinel_username=...&sentinel_password=...
+    where the Sentinels ask for their own; rediss+sentinel:// for TLS to both (it
+    may add the ssl_* options). ValueError names what is wrong."""
+    shown, parts = _checked_hosts(url, "sentinel")
+    service, _, db = parts.path[1:].partition("/")
+    if not service:
+        raise ValueError(f"{shown!r}: name the service the Sentinels watch (host:port,.../service[/db])")
+    if not _SERVICE.match(service):
+        raise ValueError(f"{shown!r}: {service!r} is not a service name (letters, digits, '_', '.', '-')")
+    if db and not (db.isdigit() and len(db) <= 9):
+        raise ValueError(f"{shown!r}: {db!r} is not a database number")
+    tls = TLS_OPTIONS if parts.scheme == "rediss+sentinel" else frozenset()
+    _check_options(shown, parts.query, SENTINEL_OPTIONS | tls)
+
+
+def _checked_hosts(url: str, kind: str) -> tuple[str, SplitResult]:
+    """The URL as messages show it and split, if its scheme is redis+<kind>:// or
+    rediss+<kind>://, it has no #fragment and every node is host:port."""
     shown = _redacted(url)
     try:
         parts = _split_hosts_url(url)
     except ValueError as e:
         raise ValueError(f"{shown!r}: {e}") from None
-    if parts.scheme not in ("redis+cluster", "rediss+cluster"):
-        raise ValueError(f"{shown!r}: a redis+cluster:// or rediss+cluster:// URL")
+    if parts.scheme not in (f"redis+{kind}", f"rediss+{kind}"):
+        raise ValueError(f"{shown!r}: a redis+{kind}:// or rediss+{kind}:// URL")
     if parts.fragment:
-        raise ValueError(f"{shown!r}: a cluster URL takes no #fragment")
-    if parts.path not in ("", "/", "/0"):
-        raise ValueError(f"{shown!r}: a cluster has database 0 only, not {parts.path[1:]!r}")
+        raise ValueError(f"{shown!r}: a {kind} URL takes no #fragment")
     for node in parts.netloc.rpartition("@")[2].split(","):
-        _check_cluster_node(shown, node)
-    _check_tls_options(shown, parts.query, parts.scheme == "rediss+cluster")
+        _check_node(shown, node)
+    return shown, parts
 
 
-def _check_cluster_node(shown: str, node: str) -> None:
+def _check_node(shown: str, node: str) -> None:
     host, sep, port = node.rpartition(":")
     if not sep or not host:
         raise ValueError(f"{shown!r}: {node!r} is not host:port (each node of the list needs both)")
@@ -172,15 +205,16 @@ def _check_cluster_node(shown: str, node: str) -> None:
         raise ValueError(f"{shown!r}: {port!r} is not a port (1 to 65535)")
 
 
-def _check_tls_options(shown: str, query: str, tls: bool) -> None:
+def _check_options(shown: str, query: str, allowed: frozenset[str]) -> None:
     try:
         options = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
         raise ValueError(f"{shown!r}: {query!r} is not a query string (name=value&...)") from None
+    scheme = shown.partition("://")[0]
     for name, _ in options:
-        if not tls or name not in CLUSTER_TLS_OPTIONS:
-            allowed = ", ".join(sorted(CLUSTER_TLS_OPTIONS))
-            raise ValueError(f"{shown!r}: unknown option {name!r} (rediss+cluster:// takes {allowed})")
+        if name not in allowed:
+            takes = f"takes {', '.join(sorted(allowed))}" if allowed else "takes no option"
+            raise ValueError(f"{shown!r}: unknown option {name!r} ({scheme}:// {takes})")
 
 
 def _split_hosts_url(url: str) -> SplitResult:
@@ -194,8 +228,9 @@ def _split_hosts_url(url: str) -> SplitResult:
 
 
 def _redacted(url: str) -> str:
-    """The URL without its password, for messages."""
-    return re.sub(r"(://[^/@?#]*?:)[^/@?#]*@", r"\1***@", url)
+    """The URL without its passwords, for messages."""
+    url = re.sub(r"(://[^/@?#]*?:)[^/@?#]*@", r"\1***@", url)
+    return re.sub(r"([?&]sentinel_password=)[^&#]*", r"\1***", url)
 
 
 def warn_unknown_variables(settings: type[Settings] = Settings) -> None:

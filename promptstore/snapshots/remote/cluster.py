@@ -65,25 +65,46 @@ class ClusterURL:
     def parse(cls, url: str) -> ClusterURL:
         """redis+cluster://[user:password@]host:port[,host:port...][/0] (rediss+cluster://: TLS),
         as Settings checked it; ValueError where it cannot be split."""
+        hosts = HostsURL.split(url, "cluster")
+        return cls(hosts.nodes, hosts.tls, hosts.username, hosts.password, hosts.tls_options(parse_qsl(hosts.query)))
+
+
+@dataclass(frozen=True)
+class HostsURL:
+    """A redis+<kind>:// or rediss+<kind>:// URL naming several nodes, split."""
+
+    nodes: tuple[tuple[str, int], ...]  # in order, each once
+    tls: bool
+    username: str | None
+    password: str | None
+    path: str
+    query: str
+
+    @classmethod
+    def split(cls, url: str, kind: str) -> HostsURL:
         scheme, _, rest = url.partition("://")
         cut = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
         # urlsplit of the rest alone: some Pythons refuse text before a bracketed host in a netloc
         parts = urlsplit(f"{scheme}://host{rest[cut:]}")._replace(netloc=rest[:cut])
-        if parts.scheme not in ("redis+cluster", "rediss+cluster"):
-            raise ValueError(f"{parts.scheme}://: not a redis+cluster:// or rediss+cluster:// URL")
+        if parts.scheme not in (f"redis+{kind}", f"rediss+{kind}"):
+            raise ValueError(f"{parts.scheme}://: not a redis+{kind}:// or rediss+{kind}:// URL")
         userinfo, _, hosts = parts.netloc.rpartition("@")
         nodes = [node.rpartition(":") for node in hosts.split(",")]
         if not all(host and port.isdigit() for host, _, port in nodes):
             raise ValueError(f"{hosts!r}: not a list of host:port")
         user, sep, password = userinfo.partition(":")
-        tls = parts.scheme == "rediss+cluster"
         return cls(
             tuple(dict.fromkeys((host.strip("[]"), int(port)) for host, _, port in nodes)),
-            tls,
+            parts.scheme == f"rediss+{kind}",
             unquote(user) or None,
             unquote(password) if sep else None,
-            tuple(parse_qsl(parts.query)) if tls else (),
+            parts.path,
+            parts.query,
         )
+
+    def tls_options(self, options: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+        """The ssl_* options among `options` (TLS only)."""
+        return tuple((k, v) for k, v in options if k.startswith("ssl_")) if self.tls else ()
 
 
 class ClusterClient:

@@ -1,4 +1,5 @@
-"""The remote tier: node files shared through one Redis (or Valkey) server or cluster by many machines.
+"""The remote tier: node files shared through one Redis (or Valkey) server, cluster or
+Sentinel-watched primary by many machines.
 
 A node's blob is its cold file, sealed; a chain record at each grid point and
 at the end of a published node lists the blobs that tile that prefix. A lookup
@@ -9,7 +10,7 @@ made into arrays in memory as it arrives (no file is staged). Anything the
 server does wrong (down, slow, restarted empty, evicting, answering garbage) is
 a reported miss after a bounded wait, never an exception to the caller. A blob
 larger than `piece_bytes` is stored in pieces (seal.py); a Redis Cluster is
-spoken to through cluster.py.
+spoken to through cluster.py, Sentinels through sentinel.py.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from .cluster import SCHEMES as CLUSTER_SCHEMES
 from .cluster import ClusterClient, ClusterURL, read_values
 from .keys import CHUNK, RemoteKeys, blob_key, index_key
 from .seal import MAX_PIECES, Assembly, Chain, Link, seal_chain, seal_pieces, unseal_chain
+from .sentinel import SCHEMES as SENTINEL_SCHEMES
+from .sentinel import SentinelURL
+from .sentinel import connect as connect_sentinel
 
 log = logging.getLogger("promptstore.remote")
 
@@ -111,9 +115,12 @@ class _Publisher:
 
 def connect(url: str, timeout: float) -> redis.Redis | ClusterClient:
     """A client that fails fast: one try per call, every socket wait bounded; for a
-    redis+cluster:// URL, the cluster's shards behind the same calls."""
+    redis+cluster:// URL, the cluster's shards behind the same calls; for a
+    redis+sentinel:// URL, the primary the Sentinels name at each connection."""
     if url.startswith(CLUSTER_SCHEMES):
         return ClusterClient(ClusterURL.parse(url), timeout)
+    if url.startswith(SENTINEL_SCHEMES):
+        return connect_sentinel(SentinelURL.parse(url), timeout)
     return redis.Redis.from_url(
         url,
         socket_timeout=timeout,
