@@ -1,6 +1,7 @@
 """Real redis-server processes on free loopback ports, for the remote tier's tests
 and the soak: one server, or a Redis Cluster of three primaries with a replica
-each (formed by redis-cli), whose nodes can be killed, paused and resharded.
+each (formed by redis-cli), whose nodes can be killed, paused and resharded;
+either over TLS with certificates made in process (testing/tls.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from .tls import TLSFiles
 
 REDIS = shutil.which("redis-server") or ("/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None)
 REDIS_CLI = shutil.which("redis-cli") or ("/usr/bin/redis-cli" if Path("/usr/bin/redis-cli").exists() else None)
@@ -29,6 +32,11 @@ def missing() -> str | None:
     return f"{' and '.join(absent)} not installed (`make redis` installs both)" if absent else None
 
 
+def client_tls(tls: TLSFiles | None) -> dict:
+    """redis-py's options to reach a server of these certificates (none without TLS)."""
+    return {} if tls is None else {"ssl": True, "ssl_ca_certs": str(tls.ca)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,22 +44,28 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """One redis-server process; `kill` and `start` again (empty: nothing is saved)."""
+    """One redis-server process; `kill` and `start` again (empty: nothing is saved).
+    With `tls`, it serves TLS only (on `port`), and replicates over it."""
 
-    def __init__(self, directory: Path, *args: str):
-        self.dir, self.args = directory, args
+    def __init__(self, directory: Path, *args: str, tls: TLSFiles | None = None):
+        self.dir, self.args, self.tls = directory, args, tls
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.ca}"
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **client_tls(self.tls))
 
     def start(self) -> RedisServer:
-        cmd = [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir)]
+        ports = ["--port", str(self.port)]
+        if self.tls is not None:
+            ports = ["--port", "0", "--tls-port", str(self.port), *self.tls.server_args()]
+        cmd = [REDIS, *ports, "--bind", "127.0.0.1", "--dir", str(self.dir)]
         cmd += ["--save", "", "--appendonly", "no", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_SECONDS
@@ -98,12 +112,12 @@ class Cluster:
     """Six redis-server processes in cluster mode, formed by `redis-cli --cluster
     create` into three primaries with one replica each; nothing is saved."""
 
-    def __init__(self, directory: Path, primaries: int = 3, replicas: int = 1):
-        self.dir = directory
+    def __init__(self, directory: Path, primaries: int = 3, replicas: int = 1, tls: TLSFiles | None = None):
+        self.dir, self.tls = directory, tls
         self.servers: list[RedisServer] = []
         taken: set[int] = set()
         for _ in range(primaries * (1 + replicas)):
-            server = RedisServer(directory)
+            server = RedisServer(directory, tls=tls)
             server.port = free_cluster_port(taken)
             taken |= {server.port, server.port + BUS_OFFSET}
             server.args = (*CLUSTER_ARGS, "--cluster-config-file", str(directory / f"nodes-{server.port}.conf"))
@@ -112,7 +126,10 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+        nodes = ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+        if self.tls is not None:
+            return f"rediss+cluster://{nodes}?ssl_ca_certs={self.tls.ca}"
+        return f"redis+cluster://{nodes}"
 
     def start(self) -> Cluster:
         try:
@@ -120,6 +137,7 @@ class Cluster:
                 server.start()
             cmd = [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers)]
             cmd += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
+            cmd += ["--tls", "--cacert", str(self.tls.ca)] if self.tls is not None else []
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=CLUSTER_SECONDS)
             if out.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
@@ -193,6 +211,7 @@ class Cluster:
         cmd = [REDIS_CLI, "--cluster", "reshard", f"127.0.0.1:{target.port}"]
         cmd += ["--cluster-from", self.node_id(source), "--cluster-to", self.node_id(target)]
         cmd += ["--cluster-slots", str(slots), "--cluster-pipeline", str(pipeline), "--cluster-yes"]
+        cmd += ["--tls", "--cacert", str(self.tls.ca)] if self.tls is not None else []
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=RESHARD_SECONDS)
         if out.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster reshard failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")

@@ -1,7 +1,7 @@
 """Real redis-server processes on free loopback ports: a primary, its replica, and
 three Sentinels (redis-server in sentinel mode) that watch them and promote the
 replica when the primary is lost, for the remote tier's tests and by hand
-(`make redis-sentinel`).
+(`make redis-sentinel`); all of them over TLS if asked (testing/tls.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import redis
 
-from .redis_cluster import REDIS, START_SECONDS, RedisServer, free_port
+from .redis_cluster import REDIS, START_SECONDS, RedisServer, client_tls, free_port
+from .tls import TLSFiles
 
 SERVICE = "promptstore"
 FAILOVER_SECONDS = 20.0  # the longest the Sentinels may take to agree the primary is lost and promote its replica
@@ -36,11 +37,15 @@ def watched(sentinel: SentinelServer) -> dict:
 class SentinelServer:
     """One redis-server in sentinel mode, watching `service` at the primary's port."""
 
-    def __init__(self, directory: Path, primary_port: int, quorum: int):
-        self.dir, self.port = directory, free_port()
+    def __init__(self, directory: Path, primary_port: int, quorum: int, tls: TLSFiles | None = None):
+        self.dir, self.port, self.tls = directory, free_port(), tls
         self.config = directory / f"sentinel-{self.port}.conf"  # Sentinel rewrites it as it learns
+        listen = f"port {self.port}\n"
+        if tls is not None:  # TLS only, to clients and to the servers it watches
+            listen = f"port 0\ntls-port {self.port}\ntls-replication yes\ntls-auth-clients no\n"
+            listen += f"tls-cert-file {tls.cert}\ntls-key-file {tls.key}\ntls-ca-cert-file {tls.ca}\n"
         self.config.write_text(
-            f"port {self.port}\nbind 127.0.0.1\ndir {directory}\n"
+            f"{listen}bind 127.0.0.1\ndir {directory}\n"
             f"sentinel monitor {SERVICE} 127.0.0.1 {primary_port} {quorum}\n"
             f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
             f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
@@ -48,7 +53,7 @@ class SentinelServer:
         self.proc: subprocess.Popen | None = None
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **client_tls(self.tls))
 
     def start(self) -> SentinelServer:
         cmd = [REDIS, str(self.config), "--sentinel"]
@@ -75,16 +80,19 @@ class SentinelGroup:
     """A primary, a replica following it, and three Sentinels (quorum 2) watching
     both; nothing is saved."""
 
-    def __init__(self, directory: Path, sentinels: int = 3, quorum: int = 2):
-        self.dir = directory
-        self.servers = [RedisServer(directory, "--repl-diskless-sync-delay", "0") for _ in range(2)]
+    def __init__(self, directory: Path, sentinels: int = 3, quorum: int = 2, tls: TLSFiles | None = None):
+        self.dir, self.tls = directory, tls
+        self.servers = [RedisServer(directory, "--repl-diskless-sync-delay", "0", tls=tls) for _ in range(2)]
         primary = self.servers[0]
         self.servers[1].args += ("--replicaof", "127.0.0.1", str(primary.port))
-        self.sentinels = [SentinelServer(directory, primary.port, quorum) for _ in range(sentinels)]
+        self.sentinels = [SentinelServer(directory, primary.port, quorum, tls) for _ in range(sentinels)]
 
     @property
     def url(self) -> str:
-        return "redis+sentinel://" + ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels) + f"/{SERVICE}"
+        nodes = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        if self.tls is not None:
+            return f"rediss+sentinel://{nodes}/{SERVICE}?ssl_ca_certs={self.tls.ca}"
+        return f"redis+sentinel://{nodes}/{SERVICE}"
 
     def start(self) -> SentinelGroup:
         try:
@@ -143,7 +151,8 @@ class SentinelGroup:
         """A fresh server following the primary (after a failover left none), once
         the Sentinels see it."""
         primary = self.primary()
-        server = RedisServer(self.dir, "--repl-diskless-sync-delay", "0", "--replicaof", "127.0.0.1", str(primary.port))
+        args = ("--repl-diskless-sync-delay", "0", "--replicaof", "127.0.0.1", str(primary.port))
+        server = RedisServer(self.dir, *args, tls=self.tls)
         self.servers.append(server.start())
         self.wait_replicated()
         self.wait_watching()
