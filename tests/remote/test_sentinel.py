@@ -5,6 +5,7 @@ resume on the promoted replica; no Sentinel at all is a bounded miss."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -137,6 +138,35 @@ def test_a_failover_with_the_primary_alive_moves_every_write_to_the_new_one(tmp_
     assert time.monotonic() - switched < TRAFFIC_SECONDS + HANG_GUARD
     # C asks the Sentinels afresh: it reads the new primary, which holds every write after the switch.
     assert all(_hits_of_a_fresh_store(tmp_path, group, model, traffic.prompts)[after:])
+
+
+def test_sentinels_that_answer_nothing_slow_no_call_while_the_primary_serves(tmp_path, own_sentinels, model_of):
+    """Every Sentinel stopped (SIGSTOP: connections open, nothing answers) while the
+    primary serves: A publishes and B hits as before, no call waiting for the
+    Sentinels (only the stores' following threads do, a timeout per Sentinel)."""
+    group, model = own_sentinels, model_of("llama")
+    settings = {"remote_url": group.url, "remote_timeout": 1.0, "remote_close_seconds": 5.0}
+    with (
+        promptstore.PromptStore.open(tmp_path / "a", **settings) as a,
+        promptstore.PromptStore.open(tmp_path / "b", **settings) as b,
+    ):
+        traffic = Traffic(model, a, b)
+        assert traffic.step().remote
+        for sentinel in group.sentinels:
+            sentinel.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            while time.monotonic() - stopped < 4.0:  # past the followers' asking (3 Sentinels x 1 s)
+                traffic.step()
+        finally:
+            for sentinel in group.sentinels:
+                sentinel.proc.send_signal(signal.SIGCONT)
+    during = [s for s in traffic.steps if s.at > stopped]
+    assert traffic.wrong == 0
+    assert during and all(s.remote for s in during), "a hit was lost while the Sentinels were stopped"
+    # A call that waited for one Sentinel would take a whole remote_timeout (1 s).
+    assert max(s.seconds for s in during) < 0.9, max(s.seconds for s in during)
+    assert all(published for _, published in traffic.prompts)
 
 
 def test_no_sentinel_answering_costs_a_bounded_miss_and_local_tiers_work(tmp_path, model_of):

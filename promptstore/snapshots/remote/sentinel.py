@@ -1,9 +1,11 @@
 """A primary that Redis Sentinels watch as the remote tier's server.
 
 The Sentinels are asked which server is the primary of a service whenever a
-connection is made: after a failover (the primary lost, a replica promoted by
-the Sentinels) the next connection goes to the new primary, while the calls in
-between are misses like any other of a server that is down. A server that
+connection is made, and every second by a thread of the client's: after a
+failover (the primary lost, a replica promoted by the Sentinels) the next
+connection goes to the new primary, while the calls in between are misses like
+any other of a server that is down; no call waits for the Sentinels unless it
+makes a connection. A server that
 turns out to be a replica (a primary demoted while a connection to it was
 kept) refuses the first write, which closes the connection; what it answers to
 reads is checked as everything the server sends is. The calls are those of one
@@ -14,7 +16,10 @@ Sentinels' connections as on the primary's.
 
 from __future__ import annotations
 
-import time
+import logging
+import os
+import threading
+import weakref
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote
 
@@ -25,9 +30,11 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from .cluster import HostsURL
 
+log = logging.getLogger("promptstore.remote")
+
 SCHEMES = ("redis+sentinel://", "rediss+sentinel://")
-# How often the Sentinels are asked again which server is the primary while
-# connections to it are in use (redis-py asks only when it makes one).
+# How often the Sentinels are asked again which server is the primary (redis-py
+# asks only when it makes a connection).
 RECHECK_SECONDS = 1.0
 
 
@@ -93,25 +100,52 @@ def connect(url: SentinelURL, timeout: float) -> redis.Redis:
 
 
 class FollowingPool(SentinelConnectionPool):
-    """redis-py's pool of connections to the primary, which also asks the Sentinels
-    which server that is at most every RECHECK_SECONDS as it hands a connection
-    out. A failover with the primary alive (an operator's SENTINEL FAILOVER)
-    leaves it taking writes until the Sentinels demote it, about ten seconds
-    later, and redis-py would keep its idle connections to it all that time:
-    here they are closed within a second of the switch (what was written there
-    meanwhile is lost with it: misses, never wrong data). Where no Sentinel
-    answers, the connections in use go on; a new one cannot be made."""
+    """redis-py's pool of connections to the primary, with a thread that asks the
+    Sentinels which server that is every RECHECK_SECONDS, not only when a
+    connection is made: a failover with the primary alive (an operator's
+    SENTINEL FAILOVER) leaves it taking writes until the Sentinels demote it,
+    about ten seconds later, and redis-py would keep its idle connections to it
+    all that time; here they are closed within a second of the switch (what was
+    written there meanwhile is lost with it: misses, never wrong data). The
+    thread is started at first use (again in a forked child), waits for the
+    Sentinels off every call's path, and ends when the client is closed or
+    the pool is gone."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._next_check = 0.0
+        self._stop = threading.Event()
+        self._follower: int | None = None  # the pid the following thread runs in
+        self._follower_lock = threading.Lock()
 
     def get_connection(self, *args, **kwargs):
-        now = time.monotonic()
-        if now >= self._next_check:
-            self._next_check = now + RECHECK_SECONDS
-            try:
-                self.get_master_address()  # closes idle connections to a primary that is one no more
-            except (redis.ConnectionError, redis.TimeoutError):
-                pass
+        if self._follower != os.getpid():
+            self._start_following()
         return super().get_connection(*args, **kwargs)
+
+    def _start_following(self) -> None:
+        with self._follower_lock:
+            if self._follower != os.getpid():
+                name = "promptstore-sentinel"
+                threading.Thread(target=_follow, args=(weakref.ref(self), self._stop), name=name, daemon=True).start()
+                self._follower = os.getpid()
+
+    def disconnect(self, inuse_connections: bool = True) -> None:
+        if inuse_connections:  # the client is closing (a new primary closes only the idle ones)
+            self._stop.set()
+        super().disconnect(inuse_connections)
+
+
+def _follow(pool_of: weakref.ref, stop: threading.Event) -> None:
+    """Ask the Sentinels for the primary every RECHECK_SECONDS, closing the idle
+    connections to a server that is the primary no more, until `stop` or the pool is gone."""
+    while not stop.wait(RECHECK_SECONDS):
+        pool = pool_of()
+        if pool is None:
+            return
+        try:
+            pool.get_master_address()
+        except (redis.RedisError, OSError):
+            pass  # no Sentinel answered: the connections in use go on, a new one cannot be made
+        except Exception:  # noqa: BLE001 - a thread of its own: say it, and go on following
+            log.exception("asking the Sentinels for the primary failed")
+        del pool
