@@ -1,4 +1,5 @@
-"""The remote tier: node files shared through one Redis (or Valkey) server, cluster or Sentinel-watched primary by many machines."""
+"""The remote tier: node files shared by many machines through one Redis (or
+Valkey) server, a cluster, or a primary that Sentinels watch."""
 
 from .keys import CHUNK, RemoteKeys
 from .tier import LocalLink, PublishItem, RemoteHit, RemoteTier, ledger_summary, prune_ledger, read_ledger

@@ -5,13 +5,12 @@ connection is made, and every second by a thread of the client's: after a
 failover (the primary lost, a replica promoted by the Sentinels) the next
 connection goes to the new primary, while the calls in between are misses like
 any other of a server that is down; no call waits for the Sentinels unless it
-makes a connection. A server that
-turns out to be a replica (a primary demoted while a connection to it was
-kept) refuses the first write, which closes the connection; what it answers to
-reads is checked as everything the server sends is. The calls are those of one
-server: redis-py's Sentinel support gives a client of the same shape, with the
-remote tier's bounds (one try per call, every socket wait bounded) on the
-Sentinels' connections as on the primary's.
+makes a connection. A server that turns out to be a replica (a primary demoted
+while a connection to it was kept) refuses the first write, which closes the
+connection; what it answers to reads is checked as everything the server sends
+is. The calls are those of one server: redis-py's Sentinel support gives a
+client of the same shape, with the remote tier's bounds (one try per call,
+every socket wait bounded) on the Sentinels' connections as on the primary's.
 """
 
 from __future__ import annotations
@@ -146,6 +145,6 @@ def _follow(pool_of: weakref.ref, stop: threading.Event) -> None:
             pool.get_master_address()
         except (redis.RedisError, OSError):
             pass  # no Sentinel answered: the connections in use go on, a new one cannot be made
-        except Exception:  # noqa: BLE001 - a thread of its own: say it, and go on following
+        except Exception:  # a thread of its own: say it, and go on following
             log.exception("asking the Sentinels for the primary failed")
         del pool
