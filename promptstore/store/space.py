@@ -706,9 +706,10 @@ class Space:
     def _place_split(self, plan, uppers, lowers) -> None:
         self.tiers.forget(plan.split.key)
         split, ns = plan.split, self.namespace.key
-        self._put(NodeId(split.upper_key, ns, split.start, split.at), uppers, None)
-        if any(s is not None for s in lowers):
-            self._put(NodeId(split.key, ns, split.at, split.end), lowers, None)
+        with self.tiers.local():  # new spans: published from here, even when a remote hit's insert split them
+            self._put(NodeId(split.upper_key, ns, split.start, split.at), uppers, None)
+            if any(s is not None for s in lowers):
+                self._put(NodeId(split.key, ns, split.at, split.end), lowers, None)
 
     def _put(self, node_id: NodeId, snaps, seconds) -> None:
         """Hold snapshots for the node they were made for; if another process

@@ -95,6 +95,18 @@ class Tiers:
         finally:
             self._origin.remote = False
 
+    @contextmanager
+    def local(self) -> Iterator[None]:
+        """Nodes put inside are this store's own data, even while a remote hit is
+        stored: the two parts of a node a remote hit's insert split have new
+        spans, whose blobs the server does not hold."""
+        was = getattr(self._origin, "remote", False)
+        self._origin.remote = False
+        try:
+            yield
+        finally:
+            self._origin.remote = was
+
     def _describe(self, key: bytes) -> PublishItem | None:
         """A filed node worth publishing, with its path from the root (publisher thread)."""
         try:
@@ -150,8 +162,11 @@ class Tiers:
             return namespace
 
     def forget(self, key: bytes) -> None:
-        """Drop a node's in-memory snapshots (its span changed or it was removed)."""
+        """Drop a node's in-memory snapshots (its span changed or it was removed).
+        A node a remote hit made is then quiet no more: the server holds no blob
+        of its new span."""
         self.hot.pop(key)
+        self.quiet.discard(key)
         with self.lock:
             self.branch_states.discard(key)
 

@@ -3,13 +3,14 @@ fidelity; B keeps what it fetched; lookups cost a bounded number of round trips.
 
 import os
 
+import mlx.core as mx
 import pytest
 
 import promptstore
 from promptstore.snapshots.remote import CHUNK, ledger_summary
 from promptstore.testing.models import FAMILIES
 
-from ..conftest import prompt_tokens
+from ..conftest import forward, prompt_tokens
 from .helpers import assert_faithful, commands, publish
 
 
@@ -45,6 +46,38 @@ def test_a_prompt_that_diverges_inside_a_node_gets_its_grid_prefix(tmp_path, red
         hit = b.bind(model, model_id="m").fetch(b_tokens)
         assert hit.length == CHUNK
         assert_faithful(model, hit, b_tokens)
+
+
+def test_the_parts_of_a_node_a_remote_hit_split_are_published(tmp_path, redis_server, model_of):
+    """B's own node [0, 297) is split at 257 when B stores A's prompt, which shares
+    its first 257 tokens, from the server. Both parts have spans the server holds
+    no blob of: they are B's to publish, not quiet copies of a remote hit, so B's
+    next prompt below the split (a node [257, 297) whose path is [0, 257)) is
+    published whole, and a fresh store restores it all."""
+    model = model_of("llama")
+    shared = prompt_tokens(CHUNK + 1, seed=80)  # a grid point, and one token more
+    tails = [prompt_tokens(40, seed=81 + k) for k in range(3)]
+    b_first, a_prompt, b_next = (mx.concatenate([shared, t]) for t in tails)
+    with promptstore.PromptStore.open(tmp_path / "b", remote_url=redis_server.url) as b:
+        b_space = b.bind(model, model_id="m")
+        cache = b_space.new_cache()
+        forward(model, cache, b_first)
+        b_space.insert(b_first, cache)
+        b.flush()
+        publish(tmp_path / "a", redis_server.url, model, a_prompt)
+        hit = b_space.fetch(mx.concatenate([a_prompt, tails[0][:4]]))
+        assert hit.remote_tokens > 0 and hit.length == len(a_prompt)  # kept here, splitting B's node at 257
+        cache = b_space.new_cache()
+        forward(model, cache, b_next)
+        b_space.insert(b_next, cache)
+        b.flush()
+        counts = dict(b.tiers.remote.counts)
+    assert not counts.get("remote_publish_incomplete"), counts
+    with promptstore.PromptStore.open(tmp_path / "c", remote_url=redis_server.url) as c:
+        tokens = mx.concatenate([b_next, tails[1][:4]])
+        hit = c.bind(model, model_id="m").fetch(tokens)
+        assert (hit.length, hit.remote_tokens) == (len(b_next), len(b_next))
+        assert_faithful(model, hit, tokens)
 
 
 def test_lookup_round_trips_do_not_grow_with_the_prompt(tmp_path, redis_server, model_of):
