@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Soak runs of promptstore's failure handling: crash injection, corruption fuzz,
-multi-process load and a shared Redis Cluster losing a primary. Prints figures and
+multi-process load and a shared Redis Cluster, or Sentinel-watched primary, losing
+a primary. Prints figures and
 writes JSON (bench-results/soak.json; with --quick, bench-results/soak-quick.json).
 
     tools/soak.py                 300 + 60 SIGKILLs, 200 + 100 fuzz cases, 4 x 150 operations, ...: see make soak
@@ -39,6 +40,9 @@ Sections (goals in brackets):
                after the kill [0]; hits, misses, remote errors and seconds to resume counted; then
                a fresh store reads what was published [wrong: 0] (a miss there is a write the
                primary had not replicated).
+  sentinel     the same on a primary that three Sentinels watch, with its replica (started
+               here; skipped, saying why, without redis-server): the primary SIGKILLed, the
+               Sentinels promote the replica, and both stores follow it.
 """
 
 from __future__ import annotations
@@ -743,7 +747,7 @@ class Follower:
 
 
 class RemoteWorker:
-    """One of two processes on the cluster. Each step inserts (and publishes) a new
+    """One of two processes on the shared server. Each step inserts (and publishes) a new
     prompt, then fetches the other's newest (a remote hit, or a miss) or, when it has
     none new, one it already pulled (a local hit); every hit is checked against a
     full prefill. Events go to a JSON-lines file the other worker follows."""
@@ -823,38 +827,50 @@ def _wait_for(path: Path, seconds: float) -> float:
 
 
 def remote(args, work: Path) -> dict:
-    from promptstore.testing import redis_cluster
+    return _shared_tier(args, work, "cluster")
 
-    why = redis_cluster.missing()
+
+def sentinel(args, work: Path) -> dict:
+    return _shared_tier(args, work, "sentinel")
+
+
+def _shared_tier(args, work: Path, kind: str) -> dict:
+    from promptstore.testing import redis_cluster, redis_sentinel
+
+    helpers = redis_cluster if kind == "cluster" else redis_sentinel
+    why = helpers.missing()
     if why:
-        print(f"  remote: skipped: {why}", flush=True)
+        print(f"  {kind}: skipped: {why}", flush=True)
         return {"skipped": why}
-    started, root = now(), work / "remote"
-    (root / "cluster").mkdir(parents=True)
-    cluster = redis_cluster.Cluster(root / "cluster").start()
+    started, root = now(), work / kind
+    (root / "servers").mkdir(parents=True)
+    servers = (
+        redis_cluster.Cluster(root / "servers") if kind == "cluster" else redis_sentinel.SentinelGroup(root / "servers")
+    )
+    servers.start()
     procs = []
     try:
-        procs = _start_workers(args, root, cluster.url)
+        procs = _start_workers(args, root, servers.url)
         go = time.time()
         (root / "go.tmp").write_text(str(go + args.remote_seconds))
         (root / "go.tmp").rename(root / "go")
         time.sleep(args.remote_kill_after)
-        killed, promoted = _kill_a_primary(cluster)
+        killed, promoted = _kill_a_primary(servers, kind)
         for p in procs:
             p.wait(timeout=args.remote_seconds + 120)
         results = [_worker_result(root, role, p) for role, p in enumerate(procs)]
         events = [json.loads(line) for role in (0, 1) for line in (root / f"events-{role}.jsonl").open()]
-        final = _remote_final(args, cluster.url, root, events, killed)
+        final = _remote_final(args, servers.url, root, events, killed)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
-        cluster.kill()
+        servers.kill()
     result = _remote_figures(events, results, go, killed, promoted)
     result.update(final=final, seconds=round(now() - started, 1))
     result["wrong_states"] = result["wrong"] + final["wrong"]
-    _print_remote(args, result)
+    _print_remote(args, result, kind)
     return result
 
 
@@ -880,29 +896,36 @@ def _start_workers(args, root: Path, url: str) -> list:
     return procs
 
 
-def _kill_a_primary(cluster) -> tuple[float, float | None]:
+def _kill_a_primary(servers, kind: str) -> tuple[float, float | None]:
     """SIGKILL a primary; (when, when its replica said it is primary: None if not within the bound)."""
     from promptstore.testing.redis_cluster import CLUSTER_SECONDS
+    from promptstore.testing.redis_sentinel import FAILOVER_SECONDS
 
-    victim = cluster.primaries()[0]
-    replica = cluster.replica_of(victim)
+    if kind == "cluster":
+        victim = servers.primaries()[0]
+        replica = servers.replica_of(victim)
+    else:
+        victim = servers.primary()
+        replica = next(s for s in servers.alive() if s is not victim)
     killed = time.time()
     victim.kill()
-    deadline = now() + CLUSTER_SECONDS
+    deadline = now() + (CLUSTER_SECONDS if kind == "cluster" else FAILOVER_SECONDS)
     while now() < deadline:
         try:
-            if cluster.info(replica, "replication")["role"] == "master":
+            promoted = replica.client().info("replication")["role"] == "master"
+            if promoted and (kind == "cluster" or servers.primary() is replica):  # the Sentinels name it too
                 return killed, time.time()
-        except Exception:  # noqa: BLE001 - a node busy electing: ask again
+        except Exception:  # noqa: BLE001 - a node busy electing, Sentinels mid-failover: ask again
             pass
         time.sleep(0.05)
     return killed, None
 
 
-def _print_remote(args, result: dict) -> None:
+def _print_remote(args, result: dict, kind: str) -> None:
     final = result["final"]
+    where = "a cluster of 3 primaries + 3 replicas" if kind == "cluster" else "a primary, its replica and 3 Sentinels"
     print(
-        f"  remote: 2 processes x {args.remote_seconds:.0f} s on a cluster of 3 primaries + 3 replicas, a primary "
+        f"  {kind}: 2 processes x {args.remote_seconds:.0f} s on {where}, a primary "
         f"SIGKILLed at {result['killed_after_s']} s, its replica promoted {result['promoted_after_kill_s']} s later: "
         f"steps={result['steps']} fetches={result['fetches']} remote_hits={result['remote_hits']} "
         f"misses={result['misses']} (before the kill {result['misses_before_kill']}) "
@@ -1018,7 +1041,7 @@ def parse(argv=None):
     p.add_argument("--quick", action="store_true", help="a short run (about two minutes)")
     p.add_argument(
         "--only",
-        default="crash,fuzz,concurrency,compact_crash,index_damage,memory,remote",
+        default="crash,fuzz,concurrency,compact_crash,index_damage,memory,remote,sentinel",
         help="comma-separated sections",
     )
     p.add_argument("--minutes", type=float, help="run each section about this long (counts are then ignored)")
@@ -1068,6 +1091,7 @@ SECTIONS = {
     "index_damage": index_damage,
     "memory": memory,
     "remote": remote,
+    "sentinel": sentinel,
 }
 
 
@@ -1134,6 +1158,9 @@ def main(argv=None) -> int:
         "remote_wrong_states": result.get("remote", {}).get("wrong_states"),
         "remote_exceptions": result.get("remote", {}).get("exceptions"),
         "remote_not_resumed": result.get("remote", {}).get("not_resumed"),
+        "sentinel_wrong_states": result.get("sentinel", {}).get("wrong_states"),
+        "sentinel_exceptions": result.get("sentinel", {}).get("exceptions"),
+        "sentinel_not_resumed": result.get("sentinel", {}).get("not_resumed"),
     }
     result["goals"] = {k: v for k, v in goals.items() if v is not None}
     out = Path(args.out)
