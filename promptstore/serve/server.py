@@ -525,9 +525,19 @@ def run(args, cache: StoreCache, keyring: KeyRing) -> StoreResponseGenerator:
     return generator
 
 
+RESIGNAL_SECONDS = 0.01  # a signal that lands inside logging is delivered again this much later
+
+
 class _Shutdown:
     """SIGTERM and SIGINT stop serving (as Ctrl-C does in mlx_lm.server); a
-    second signal, or `timeout` seconds without finishing, exits at once."""
+    second signal, or `timeout` seconds without finishing, exits at once.
+
+    The signal raises KeyboardInterrupt in the main thread wherever it is, except
+    inside logging: there it could leave a handler's lock held (logging takes it
+    before the `try` that gives it back, and a thread blocked waiting for it runs
+    the handler as soon as it has it), and the next line another thread logs
+    would wait forever (the warm start's last one did, with the store's close
+    waiting for it). Such a signal is delivered again RESIGNAL_SECONDS later."""
 
     def __init__(self, timeout: float):
         self.timeout, self.started = timeout, False
@@ -540,6 +550,11 @@ class _Shutdown:
         if self.started:
             log.warning("second signal: exiting without closing the store")
             os._exit(1)
+        if _in_logging(frame):
+            again = threading.Timer(RESIGNAL_SECONDS, os.kill, (os.getpid(), signum))
+            again.daemon = True
+            again.start()
+            return
         self.begin()
         raise KeyboardInterrupt
 
@@ -553,6 +568,15 @@ class _Shutdown:
     def _expired(self) -> None:
         log.error("shutdown took over %.0f s: exiting without closing the store", self.timeout)
         os._exit(1)
+
+
+def _in_logging(frame) -> bool:
+    """Whether the code `frame` runs (or any code calling it) is the logging module's."""
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "logging":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,59 @@
+"""How `promptstore serve` takes SIGTERM and SIGINT: a KeyboardInterrupt in the main
+thread, except where one would leave a lock of logging's held (then the signal comes
+again a moment later); the end-to-end cases are in test_lifecycle.py."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from promptstore.serve.server import _in_logging, _Shutdown
+
+NEVER = 1e9  # the shutdown's own deadline (os._exit) never comes in a test
+
+
+def _frame_inside_logging() -> object:
+    """A frame of code that logging's own code called (a handler's emit)."""
+    frames = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            frames.append(sys._getframe())
+
+    logger, handler = logging.getLogger("promptstore-test-signals"), Capture()
+    logger.addHandler(handler)
+    try:
+        logger.warning("a line")
+    finally:
+        logger.removeHandler(handler)
+    return frames[0]
+
+
+def test_a_signal_inside_logging_comes_again_and_then_stops_serving():
+    got, again = [], threading.Event()
+
+    def record(signum, frame):
+        got.append(signum)
+        again.set()
+
+    previous = signal.signal(signal.SIGUSR1, record)
+    try:
+        shutdown = _Shutdown(NEVER)
+        inside = _frame_inside_logging()
+        assert _in_logging(inside) and not _in_logging(sys._getframe())
+        shutdown._on_signal(signal.SIGUSR1, inside)  # no KeyboardInterrupt there
+        assert not shutdown.started
+        deadline = time.monotonic() + 10
+        while not again.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the main thread runs Python handlers between its own steps
+        assert got == [signal.SIGUSR1], "the signal was not delivered again"
+        with pytest.raises(KeyboardInterrupt):
+            shutdown._on_signal(signal.SIGUSR1, sys._getframe())  # elsewhere: stop serving
+        assert shutdown.started
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
