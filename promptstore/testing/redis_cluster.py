@@ -32,6 +32,22 @@ def missing() -> str | None:
     return f"{' and '.join(absent)} not installed (`make redis` installs both)" if absent else None
 
 
+def answering(server, what: str) -> None:
+    """Wait until a just started `server` (its `proc`, `client()`, `port`, `kill()`)
+    answers PING; else kill it and raise RuntimeError."""
+    deadline = time.monotonic() + START_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            if server.client().ping():
+                return
+        except redis.RedisError:
+            if server.proc.poll() is not None:
+                break
+            time.sleep(0.02)
+    server.kill()
+    raise RuntimeError(f"{what} did not answer PING on port {server.port} within {START_SECONDS} s")
+
+
 def client_tls(tls: TLSFiles | None) -> dict:
     """redis-py's options to reach a server of these certificates (none without TLS)."""
     return {} if tls is None else {"ssl": True, "ssl_ca_certs": str(tls.ca)}
@@ -68,17 +84,8 @@ class RedisServer:
         cmd = [REDIS, *ports, "--bind", "127.0.0.1", "--dir", str(self.dir)]
         cmd += ["--save", "", "--appendonly", "no", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + START_SECONDS
-        while time.monotonic() < deadline:
-            try:
-                if self.client().ping():
-                    return self
-            except redis.RedisError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.02)
-        self.kill()
-        raise RuntimeError(f"redis-server did not answer PING on port {self.port} within {START_SECONDS} s")
+        answering(self, "redis-server")
+        return self
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -247,30 +254,31 @@ class Cluster:
 # --- `make redis-cluster`: one to use by hand ------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Start a cluster of three primaries and three replicas on free loopback
-    ports, print its remote_url, and tear it down on Ctrl-C or SIGTERM."""
+def by_hand(argv: list[str] | None, module: str, doc: str, start, what: str, reason: str | None) -> int:
+    """Start servers (`start(directory)` -> an object with `url` and `kill()`) on free
+    loopback ports, print their remote_url, and tear them down on Ctrl-C or SIGTERM
+    (or after --seconds); `what` names them in what is printed, `reason` says why
+    they cannot be started here (None: they can)."""
     import argparse
     import signal
     import tempfile
 
-    parser = argparse.ArgumentParser(prog="python -m promptstore.testing.redis_cluster", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc)
     parser.add_argument("--seconds", type=float, default=None, help="tear it down after this long (default: never)")
     args = parser.parse_args(argv)
-    reason = missing()
     if reason is not None:
-        print(f"no cluster: {reason}")
+        print(f"no {what}: {reason}")
         return 2
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    with tempfile.TemporaryDirectory(prefix="redis-cluster-") as directory:
+    with tempfile.TemporaryDirectory(prefix="redis-") as directory:
         try:
-            cluster = Cluster(Path(directory)).start()
+            servers = start(Path(directory))
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            print(f"no cluster: {e}")
+            print(f"no {what}: {e}")
             return 2
         try:
-            print(f"a Redis Cluster of 3 primaries and 3 replicas: remote_url={cluster.url}", flush=True)
+            print(f"{what}: remote_url={servers.url}", flush=True)
             print("Ctrl-C (or SIGTERM) stops it and removes its files", flush=True)
             deadline = None if args.seconds is None else time.monotonic() + args.seconds
             while not stop and (deadline is None or time.monotonic() < deadline):
@@ -278,9 +286,17 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             pass
         finally:
-            cluster.kill()
-    print("cluster stopped")
+            servers.kill()
+    print(f"{what}: stopped")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start a cluster of three primaries and three replicas on free loopback
+    ports, print its remote_url, and tear it down on Ctrl-C or SIGTERM."""
+    what = "a Redis Cluster of 3 primaries and 3 replicas"
+    module = "promptstore.testing.redis_cluster"
+    return by_hand(argv, module, main.__doc__, lambda d: Cluster(d).start(), what, missing())
 
 
 if __name__ == "__main__":

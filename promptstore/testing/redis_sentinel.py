@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from .redis_cluster import REDIS, START_SECONDS, RedisServer, client_tls, free_port
+from .redis_cluster import REDIS, RedisServer, answering, by_hand, client_tls, free_port
 from .tls import TLSFiles
 
 SERVICE = "promptstore"
@@ -58,17 +58,8 @@ class SentinelServer:
     def start(self) -> SentinelServer:
         cmd = [REDIS, str(self.config), "--sentinel"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + START_SECONDS
-        while time.monotonic() < deadline:
-            try:
-                if self.client().ping():
-                    return self
-            except redis.RedisError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.02)
-        self.kill()
-        raise RuntimeError(f"redis-server --sentinel did not answer PING on port {self.port} within {START_SECONDS} s")
+        answering(self, "redis-server --sentinel")
+        return self
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -215,37 +206,9 @@ def _wait(done, seconds: float, what: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Start a primary, its replica and three Sentinels on free loopback ports,
     print the remote_url, and tear them down on Ctrl-C or SIGTERM."""
-    import argparse
-    import signal
-    import tempfile
-
-    parser = argparse.ArgumentParser(prog="python -m promptstore.testing.redis_sentinel", description=main.__doc__)
-    parser.add_argument("--seconds", type=float, default=None, help="tear it down after this long (default: never)")
-    args = parser.parse_args(argv)
-    reason = missing()
-    if reason is not None:
-        print(f"no Sentinels: {reason}")
-        return 2
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    with tempfile.TemporaryDirectory(prefix="redis-sentinel-") as directory:
-        try:
-            group = SentinelGroup(Path(directory)).start()
-        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            print(f"no Sentinels: {e}")
-            return 2
-        try:
-            print(f"a primary, its replica and 3 Sentinels: remote_url={group.url}", flush=True)
-            print("Ctrl-C (or SIGTERM) stops them and removes their files", flush=True)
-            deadline = None if args.seconds is None else time.monotonic() + args.seconds
-            while not stop and (deadline is None or time.monotonic() < deadline):
-                time.sleep(0.2)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            group.kill()
-    print("Sentinels stopped")
-    return 0
+    what = "a primary, its replica and 3 Sentinels"
+    module = "promptstore.testing.redis_sentinel"
+    return by_hand(argv, module, main.__doc__, lambda d: SentinelGroup(d).start(), what, missing())
 
 
 if __name__ == "__main__":

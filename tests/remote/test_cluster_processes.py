@@ -94,7 +94,7 @@ def test_the_cluster_of_make_redis_cluster_starts_answers_and_goes(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     url = run.stdout.split("remote_url=")[1].split()[0]
     assert url.startswith("redis+cluster://127.0.0.1:") and len(url.split(",")) == 6
-    assert run.stdout.strip().endswith("cluster stopped")
+    assert run.stdout.strip().endswith("replicas: stopped")
     port = int(url.split(",")[0].rsplit(":", 1)[1])
     with pytest.raises(redis.ConnectionError):  # torn down: nothing answers there any more
         redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1).ping()

@@ -253,7 +253,7 @@ def test_the_group_of_make_redis_sentinel_starts_answers_and_goes(tmp_path):
     url = run.stdout.split("remote_url=")[1].split()[0]
     assert url.startswith("redis+sentinel://127.0.0.1:") and url.endswith("/promptstore")
     assert len(SentinelURL.parse(url).sentinels) == 3
-    assert run.stdout.strip().endswith("Sentinels stopped")
+    assert run.stdout.strip().endswith("Sentinels: stopped")
     port = SentinelURL.parse(url).sentinels[0][1]
     with pytest.raises(redis.ConnectionError):  # torn down: nothing answers there any more
         redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1).ping()

@@ -30,39 +30,34 @@ def certificates(tmp_path_factory):
     return make_certificates(tmp_path_factory.mktemp("tls"))
 
 
+def _running(servers):
+    """`servers` started for the module's tests, and killed after them."""
+    servers.start()
+    try:
+        yield servers
+    finally:
+        servers.kill()
+
+
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory, certificates):
     if REDIS is None:
         pytest.skip("redis-server is not installed (`make redis` installs it)")
-    server = RedisServer(tmp_path_factory.mktemp("redis-tls"), tls=certificates).start()
-    try:
-        yield server
-    finally:
-        server.kill()
+    yield from _running(RedisServer(tmp_path_factory.mktemp("redis-tls"), tls=certificates))
 
 
-def _group(tmp_path_factory, certificates):
+@pytest.fixture(scope="module")
+def tls_sentinels(tmp_path_factory, certificates):
     if REDIS is None:
         pytest.skip("redis-server is not installed (`make redis` installs it)")
-    group = SentinelGroup(tmp_path_factory.mktemp("sentinel-tls"), tls=certificates).start()
-    try:
-        yield group
-    finally:
-        group.kill()
+    yield from _running(SentinelGroup(tmp_path_factory.mktemp("sentinel-tls"), tls=certificates))
 
 
-def _cluster(tmp_path_factory, certificates):
+@pytest.fixture(scope="module")
+def tls_cluster(tmp_path_factory, certificates):
     if REDIS is None or REDIS_CLI is None:
         pytest.skip("redis-server and redis-cli are needed for the cluster tests (`make redis` installs both)")
-    cluster = Cluster(tmp_path_factory.mktemp("cluster-tls"), tls=certificates).start()
-    try:
-        yield cluster
-    finally:
-        cluster.kill()
-
-
-tls_sentinels = pytest.fixture(_group, scope="module", name="tls_sentinels")
-tls_cluster = pytest.fixture(_cluster, scope="module", name="tls_cluster")
+    yield from _running(Cluster(tmp_path_factory.mktemp("cluster-tls"), tls=certificates))
 
 
 @pytest.mark.parametrize("deployment", ["tls_server", "tls_sentinels", "tls_cluster"])
