@@ -115,7 +115,43 @@ def free_cluster_port(taken: set[int]) -> int:
     raise RuntimeError("no free port pair (port, port + 10000) on 127.0.0.1 after 200 tries")
 
 
-class Cluster:
+def wait_until(done, seconds: float, what: str, also=()) -> None:
+    """Until done() is true, asked every 50 ms (a Redis error, or one of `also`, is
+    a no: a process still starting or just killed); else RuntimeError naming `what`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if done():
+                return
+        except (redis.RedisError, *also):
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"no {what} within {seconds} s")
+
+
+class Replicated:
+    """redis-server processes some of which replicate others (`servers`)."""
+
+    servers: list[RedisServer]
+
+    def alive(self) -> list[RedisServer]:
+        return [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
+
+    def wait_replicated(self, seconds: float = CLUSTER_SECONDS) -> None:
+        """Until every live replica's link to its primary is up."""
+
+        def linked(s: RedisServer) -> bool:
+            r = s.client().info("replication")
+            return r["role"] == "master" or r.get("master_link_status") == "up"
+
+        wait_until(lambda: all(linked(s) for s in self.alive()), seconds, "every replica linked to its primary")
+
+    def kill(self) -> None:
+        for server in self.servers:
+            server.kill()
+
+
+class Cluster(Replicated):
     """Six redis-server processes in cluster mode, formed by `redis-cli --cluster
     create` into three primaries with one replica each; nothing is saved."""
 
@@ -155,42 +191,18 @@ class Cluster:
             raise
         return self
 
-    def alive(self) -> list[RedisServer]:
-        return [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
-
     def info(self, server: RedisServer, section: str) -> dict:
         return server.client().info(section)
 
     def wait_ok(self, seconds: float = CLUSTER_SECONDS) -> None:
         """Until every live node says cluster_state:ok and every slot is served."""
-        self._wait(lambda: all(self._state_ok(s) for s in self.alive()), seconds, "cluster_state:ok on every node")
-
-    def wait_replicated(self, seconds: float = CLUSTER_SECONDS) -> None:
-        """Until every live replica's link to its primary is up."""
-
-        def linked(s: RedisServer) -> bool:
-            r = self.info(s, "replication")
-            return r["role"] == "master" or r.get("master_link_status") == "up"
-
-        self._wait(lambda: all(linked(s) for s in self.alive()), seconds, "every replica linked to its primary")
+        wait_until(lambda: all(self._state_ok(s) for s in self.alive()), seconds, "cluster_state:ok on every node")
 
     def _state_ok(self, server: RedisServer) -> bool:
         text = server.client().execute_command("CLUSTER", "INFO")
         text = text.decode() if isinstance(text, bytes) else text
         fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
         return fields.get("cluster_state") == "ok" and fields.get("cluster_slots_ok") == "16384"
-
-    @staticmethod
-    def _wait(done, seconds: float, what: str) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            try:
-                if done():
-                    return
-            except redis.RedisError:
-                pass  # a node still starting or just killed: ask again
-            time.sleep(0.05)
-        raise RuntimeError(f"no {what} within {seconds} s")
 
     def primaries(self) -> list[RedisServer]:
         return [s for s in self.alive() if self.info(s, "replication")["role"] == "master"]
@@ -232,7 +244,7 @@ class Cluster:
             shards = s.client().execute_command("CLUSTER", "SLOTS")
             return sorted((int(start), int(end), int(owner[1])) for start, end, owner, *_ in shards)
 
-        self._wait(lambda: len({str(table(s)) for s in self.alive()}) == 1, seconds, "agreement on the slots' owners")
+        wait_until(lambda: len({str(table(s)) for s in self.alive()}) == 1, seconds, "agreement on the slots' owners")
 
     def items(self) -> list[tuple[bytes, bytes]]:
         """Every key and its value, from every primary."""
@@ -245,10 +257,6 @@ class Cluster:
     def flushall(self) -> None:
         for s in self.primaries():
             s.client().flushall()
-
-    def kill(self) -> None:
-        for server in self.servers:
-            server.kill()
 
 
 # --- `make redis-cluster`: one to use by hand ------------------------------------------

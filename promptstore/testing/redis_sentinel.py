@@ -7,12 +7,11 @@ replica when the primary is lost, for the remote tier's tests and by hand
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import redis
 
-from .redis_cluster import REDIS, RedisServer, answering, by_hand, client_tls, free_port
+from .redis_cluster import REDIS, RedisServer, Replicated, answering, by_hand, client_tls, free_port, wait_until
 from .tls import TLSFiles
 
 SERVICE = "promptstore"
@@ -20,6 +19,8 @@ FAILOVER_SECONDS = 20.0  # the longest the Sentinels may take to agree the prima
 # Sentinel settings of the group: the primary is taken for lost after 1 s without an answer.
 DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 5000
+# What asking mid-failover may meet besides a Redis error: Sentinels that disagree or do not know the service yet.
+MIDWAY = (LookupError, StopIteration)
 
 
 def missing() -> str | None:
@@ -67,7 +68,7 @@ class SentinelServer:
             self.proc.wait(timeout=10)
 
 
-class SentinelGroup:
+class SentinelGroup(Replicated):
     """A primary, a replica following it, and three Sentinels (quorum 2) watching
     both; nothing is saved."""
 
@@ -98,9 +99,6 @@ class SentinelGroup:
             raise
         return self
 
-    def alive(self) -> list[RedisServer]:
-        return [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
-
     def role(self, server: RedisServer) -> str:
         return server.client().info("replication")["role"]
 
@@ -113,15 +111,6 @@ class SentinelGroup:
 
     def live_sentinels(self) -> list[SentinelServer]:
         return [s for s in self.sentinels if s.proc is not None and s.proc.poll() is None]
-
-    def wait_replicated(self, seconds: float = FAILOVER_SECONDS) -> None:
-        """Until every live replica's link to its primary is up."""
-
-        def linked(s: RedisServer) -> bool:
-            r = s.client().info("replication")
-            return r["role"] == "master" or r.get("master_link_status") == "up"
-
-        _wait(lambda: all(linked(s) for s in self.alive()), seconds, "every replica linked to its primary")
 
     def wait_watching(self, seconds: float = FAILOVER_SECONDS) -> None:
         """Until each Sentinel sees a replica in step with the primary and knows the
@@ -136,7 +125,8 @@ class SentinelGroup:
             ]
             return bool(healthy) and watched(s)["num-other-sentinels"] >= others
 
-        _wait(lambda: all(ready(s) for s in self.live_sentinels()), seconds, "Sentinels that know a healthy replica")
+        what = "Sentinels that know a healthy replica"
+        wait_until(lambda: all(ready(s) for s in self.live_sentinels()), seconds, what, also=MIDWAY)
 
     def add_replica(self) -> RedisServer:
         """A fresh server following the primary (after a failover left none), once
@@ -156,7 +146,7 @@ class SentinelGroup:
             now = self.primary()
             return now is not lost and self.role(now) == "master"
 
-        _wait(promoted, seconds, "a replica promoted by the Sentinels")
+        wait_until(promoted, seconds, "a replica promoted by the Sentinels", also=MIDWAY)
         return self.primary()
 
     def failover(self) -> RedisServer:
@@ -181,23 +171,12 @@ class SentinelGroup:
             replicas = [s for s in self.alive() if s is not primary]
             return all(s.client().info("replication").get("slave_repl_offset") == offset for s in replicas)
 
-        _wait(synced, seconds, "replicas in step with the primary")
+        wait_until(synced, seconds, "replicas in step with the primary", also=MIDWAY)
 
     def kill(self) -> None:
-        for process in [*self.sentinels, *self.servers]:
-            process.kill()
-
-
-def _wait(done, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if done():
-                return
-        except (redis.RedisError, LookupError, KeyError, StopIteration):
-            pass  # a process still starting, just killed, or the Sentinels mid-failover: ask again
-        time.sleep(0.05)
-    raise RuntimeError(f"no {what} within {seconds} s")
+        for sentinel in self.sentinels:
+            sentinel.kill()
+        super().kill()
 
 
 # --- `make redis-sentinel`: one to use by hand -----------------------------------------
