@@ -525,7 +525,8 @@ def run(args, cache: StoreCache, keyring: KeyRing) -> StoreResponseGenerator:
     return generator
 
 
-RESIGNAL_SECONDS = 0.01  # a signal that lands inside logging is delivered again this much later
+RESIGNAL_SECONDS = 0.01  # a signal that lands inside logging is delivered again this much later,
+RESIGNAL_TIMES = 100  # at most this many times in a row (a write to a full pipe can hold logging for ever)
 
 
 class _Shutdown:
@@ -537,10 +538,11 @@ class _Shutdown:
     before the `try` that gives it back, and a thread blocked waiting for it runs
     the handler as soon as it has it), and the next line another thread logs
     would wait forever (the warm start's last one did, with the store's close
-    waiting for it). Such a signal is delivered again RESIGNAL_SECONDS later."""
+    waiting for it). Such a signal is delivered again RESIGNAL_SECONDS later, at
+    most RESIGNAL_TIMES times in a row; then it stops serving wherever it lands."""
 
     def __init__(self, timeout: float):
-        self.timeout, self.started = timeout, False
+        self.timeout, self.started, self.deferred = timeout, False, 0
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -550,7 +552,8 @@ class _Shutdown:
         if self.started:
             log.warning("second signal: exiting without closing the store")
             os._exit(1)
-        if _in_logging(frame):
+        if _in_logging(frame) and self.deferred < RESIGNAL_TIMES:
+            self.deferred += 1
             again = threading.Timer(RESIGNAL_SECONDS, os.kill, (os.getpid(), signum))
             again.daemon = True
             again.start()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from promptstore.serve.server import _in_logging, _Shutdown
+from promptstore.serve.server import RESIGNAL_TIMES, _in_logging, _Shutdown
 
 NEVER = 1e9  # the shutdown's own deadline (os._exit) never comes in a test
 
@@ -57,3 +57,36 @@ def test_a_signal_inside_logging_comes_again_and_then_stops_serving():
         assert shutdown.started
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_signal_that_keeps_landing_inside_logging_stops_serving_there_in_the_end(monkeypatch):
+    """A main thread held inside logging (a write to a pipe nobody reads) still stops:
+    after RESIGNAL_TIMES deliveries in a row the signal raises where it lands."""
+    sent = []
+    monkeypatch.setattr("promptstore.serve.server.threading.Timer", _Recorder(sent))
+    shutdown, inside = _Shutdown(NEVER), _frame_inside_logging()
+    for _ in range(RESIGNAL_TIMES):
+        shutdown._on_signal(signal.SIGTERM, inside)
+    assert len(sent) == RESIGNAL_TIMES and not shutdown.started
+    with pytest.raises(KeyboardInterrupt):
+        shutdown._on_signal(signal.SIGTERM, inside)
+    assert shutdown.started
+
+
+class _Recorder:
+    """threading.Timer's place: records what would be sent again, sends nothing
+    (the shutdown's own deadline timer is recorded too, never started)."""
+
+    def __init__(self, sent: list):
+        self.sent = sent
+
+    def __call__(self, seconds, function, args=()):
+        self.sent.append((seconds, function, args))
+        return _Idle()
+
+
+class _Idle:
+    daemon = False
+
+    def start(self) -> None:
+        pass
