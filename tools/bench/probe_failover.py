@@ -31,7 +31,7 @@ import promptstore  # noqa: E402
 from promptstore.caches import make_prompt_cache  # noqa: E402
 from promptstore.snapshots.remote import CHUNK  # noqa: E402
 from promptstore.testing.models import tiny_model  # noqa: E402
-from promptstore.testing.redis_sentinel import FAILOVER_SECONDS, SentinelGroup, missing  # noqa: E402
+from promptstore.testing.redis_sentinel import FAILOVER_SECONDS, SERVICE, SentinelGroup, missing  # noqa: E402
 
 PREFIX = CHUNK + 40  # a blob and two records per prompt
 SETTINGS = {"remote_timeout": 0.2, "remote_close_seconds": 2.0}
@@ -72,7 +72,7 @@ def fault(loop: Loop, group: SentinelGroup, how: str) -> dict:
     if how == "kill":
         old.kill()
     else:
-        group.live_sentinels()[0].client().execute_command("SENTINEL", "FAILOVER", "promptstore")
+        group.live_sentinels()[0].client().execute_command("SENTINEL", "FAILOVER", SERVICE)
     promoted = first_hit = None
     while time.monotonic() - started < FAILOVER_SECONDS + AFTER_SECONDS:
         hit = loop.step()
