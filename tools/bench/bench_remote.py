@@ -36,7 +36,8 @@ from promptstore.caches import make_prompt_cache  # noqa: E402
 from promptstore.snapshots.remote import CHUNK  # noqa: E402
 from promptstore.snapshots.remote.keys import BLOB_PREFIX  # noqa: E402
 from promptstore.testing.models import llama_1b_shape, tiny_model  # noqa: E402
-from promptstore.testing.redis_cluster import Cluster, RedisServer, free_port, missing  # noqa: E402
+from promptstore.testing.redis_cluster import Cluster, RedisServer, client_tls, free_port, missing  # noqa: E402
+from promptstore.testing.tls import make_certificates  # noqa: E402
 
 PREFILL_STEP = 512
 
@@ -165,17 +166,19 @@ class Server:
             p.client().flushall()
 
 
-def single_server(tmp: Path) -> tuple[RedisServer, Server]:
+def single_server(tmp: Path, tls=None) -> tuple[RedisServer, Server]:
     (tmp / "redis").mkdir(parents=True)
-    server = RedisServer(tmp / "redis").start()
-    return server, Server("single", server.url, redis.Redis(port=server.port), [server])
+    server = RedisServer(tmp / "redis", tls=tls).start()
+    return server, Server(
+        "single", server.url, redis.Redis(host="127.0.0.1", port=server.port, **client_tls(tls)), [server]
+    )
 
 
-def cluster_server(tmp: Path) -> tuple[Cluster, Server]:
+def cluster_server(tmp: Path, tls=None) -> tuple[Cluster, Server]:
     """Three primaries, no replicas (a replica doubles every write on a small machine)."""
     (tmp / "cluster").mkdir(parents=True)
-    cluster = Cluster(tmp / "cluster", primaries=3, replicas=0).start()
-    client = redis.RedisCluster(host="127.0.0.1", port=cluster.servers[0].port)
+    cluster = Cluster(tmp / "cluster", primaries=3, replicas=0, tls=tls).start()
+    client = redis.RedisCluster(host="127.0.0.1", port=cluster.servers[0].port, **client_tls(tls))
     return cluster, Server("cluster", cluster.url, client, cluster.primaries())
 
 
@@ -323,12 +326,13 @@ def fetch_against_ceilings(args, tmp: Path) -> dict:
     the issue's goals, met or not."""
     model = llama_1b_shape(args.layers, dtype=mx.float32, vocab_size=512)
     running, servers = [], []
+    tls = make_certificates(_made(tmp / "tls")) if args.tls else None
     try:
-        process, server = single_server(tmp)
+        process, server = single_server(tmp, tls)
         running.append(process)
         servers.append(server)
         if not (args.skip_cluster or missing()):
-            process, server = cluster_server(tmp)
+            process, server = cluster_server(tmp, tls)
             running.append(process)
             servers.append(server)
         out = fetch_ceilings(args, model, servers, tmp)
@@ -339,6 +343,11 @@ def fetch_against_ceilings(args, tmp: Path) -> dict:
             process.kill()
     out["goals"] = goals(out)
     return out
+
+
+def _made(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
 
 
 def goals(r: dict) -> dict:
@@ -437,6 +446,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-cluster", action="store_true", help="no Redis Cluster run")
     parser.add_argument("--skip-ttft", action="store_true", help="skip the TTFT runs (minutes of CPU prefill)")
     parser.add_argument("--fetch-only", action="store_true", help="only the hit against its ceilings")
+    parser.add_argument(
+        "--tls", action="store_true", help="the servers speak only TLS (certificates made here) in the fetch runs"
+    )
     parser.add_argument("--out", default="bench-results/remote.json")
     args = parser.parse_args(argv)
     args.piece_bytes = int(args.piece_mb * (1 << 20)) if args.piece_mb else None
