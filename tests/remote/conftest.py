@@ -35,28 +35,32 @@ __all__ = [
 ]
 
 
+def running(kind, directory, **options):
+    """A fixture's body: `kind(directory, **options)` started (skipped, saying why,
+    where its binaries are missing) for the tests, and killed after them."""
+    needs = ("redis-server", "redis-cli") if kind is Cluster else ("redis-server",)
+    absent = [name for name, path in (("redis-server", REDIS), ("redis-cli", REDIS_CLI)) if name in needs and not path]
+    if absent:
+        pytest.skip(
+            f"{' and '.join(absent)} not installed (`make redis` installs {'both' if len(absent) > 1 else 'it'})"
+        )
+    servers = kind(directory, **options).start()
+    try:
+        yield servers
+    finally:
+        servers.kill()
+
+
 @pytest.fixture
 def redis_server(tmp_path_factory):
-    if REDIS is None:
-        pytest.skip("redis-server is not installed (`make redis` installs it)")
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    try:
-        yield server
-    finally:
-        server.kill()
+    yield from running(RedisServer, tmp_path_factory.mktemp("redis"))
 
 
 # --- a real Redis Cluster: three primaries, a replica each ------------------------------
 
 
 def _cluster(tmp_path_factory):
-    if REDIS is None or REDIS_CLI is None:
-        pytest.skip("redis-server and redis-cli are needed for the cluster tests (`make redis` installs both)")
-    cluster = Cluster(tmp_path_factory.mktemp("redis-cluster")).start()
-    try:
-        yield cluster
-    finally:
-        cluster.kill()
+    yield from running(Cluster, tmp_path_factory.mktemp("redis-cluster"))
 
 
 # One cluster per module for the tests that leave it whole; `cluster` empties it first.
@@ -74,13 +78,7 @@ def redis_cluster(redis_cluster_of_module):
 
 
 def _sentinels(tmp_path_factory):
-    if REDIS is None:
-        pytest.skip("redis-server is not installed (`make redis` installs it)")
-    group = SentinelGroup(tmp_path_factory.mktemp("redis-sentinel")).start()
-    try:
-        yield group
-    finally:
-        group.kill()
+    yield from running(SentinelGroup, tmp_path_factory.mktemp("redis-sentinel"))
 
 
 sentinels_of_module = pytest.fixture(_sentinels, scope="module", name="sentinels_of_module")

@@ -18,7 +18,7 @@ from promptstore.testing.redis_sentinel import SentinelGroup
 from promptstore.testing.tls import make_certificates
 
 from ..conftest import prompt_tokens
-from .conftest import REDIS, REDIS_CLI
+from .conftest import running
 from .helpers import assert_faithful
 from .test_pieces import PIECE, fetch, publish_in_pieces
 
@@ -30,34 +30,19 @@ def certificates(tmp_path_factory):
     return make_certificates(tmp_path_factory.mktemp("tls"))
 
 
-def _running(servers):
-    """`servers` started for the module's tests, and killed after them."""
-    servers.start()
-    try:
-        yield servers
-    finally:
-        servers.kill()
-
-
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory, certificates):
-    if REDIS is None:
-        pytest.skip("redis-server is not installed (`make redis` installs it)")
-    yield from _running(RedisServer(tmp_path_factory.mktemp("redis-tls"), tls=certificates))
+    yield from running(RedisServer, tmp_path_factory.mktemp("redis-tls"), tls=certificates)
 
 
 @pytest.fixture(scope="module")
 def tls_sentinels(tmp_path_factory, certificates):
-    if REDIS is None:
-        pytest.skip("redis-server is not installed (`make redis` installs it)")
-    yield from _running(SentinelGroup(tmp_path_factory.mktemp("sentinel-tls"), tls=certificates))
+    yield from running(SentinelGroup, tmp_path_factory.mktemp("sentinel-tls"), tls=certificates)
 
 
 @pytest.fixture(scope="module")
 def tls_cluster(tmp_path_factory, certificates):
-    if REDIS is None or REDIS_CLI is None:
-        pytest.skip("redis-server and redis-cli are needed for the cluster tests (`make redis` installs both)")
-    yield from _running(Cluster(tmp_path_factory.mktemp("cluster-tls"), tls=certificates))
+    yield from running(Cluster, tmp_path_factory.mktemp("cluster-tls"), tls=certificates)
 
 
 @pytest.mark.parametrize("deployment", ["tls_server", "tls_sentinels", "tls_cluster"])
