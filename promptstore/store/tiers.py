@@ -86,22 +86,20 @@ class Tiers:
             close_seconds=settings.remote_close_seconds,
         )
 
-    @contextmanager
-    def from_remote(self) -> Iterator[None]:
+    def from_remote(self):
         """Nodes put inside are copies of a remote hit: stored here, never published back."""
-        self._origin.remote = True
-        try:
-            yield
-        finally:
-            self._origin.remote = False
+        return self._origin_remote(True)
 
-    @contextmanager
-    def local(self) -> Iterator[None]:
+    def local(self):
         """Nodes put inside are this store's own data, even while a remote hit is
         stored: the two parts of a node a remote hit's insert split have new
         spans, whose blobs the server does not hold."""
+        return self._origin_remote(False)
+
+    @contextmanager
+    def _origin_remote(self, remote: bool) -> Iterator[None]:
         was = getattr(self._origin, "remote", False)
-        self._origin.remote = False
+        self._origin.remote = remote
         try:
             yield
         finally:

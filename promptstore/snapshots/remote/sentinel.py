@@ -20,7 +20,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, unquote
+from urllib.parse import parse_qsl
 
 import redis
 from redis.backoff import NoBackoff
@@ -64,7 +64,7 @@ class SentinelURL:
         named = dict(options)
         return cls(
             hosts.nodes,
-            unquote(service),
+            service,  # Settings allowed letters, digits, "_", "." and "-" only
             int(db) if db else 0,
             hosts.tls,
             hosts.username,
