@@ -73,6 +73,7 @@ class Profile:
     prefill_step: int
     runs: int  # runs of each path at the longest prefix
     short_runs: int  # at the shorter ones: a hit of tens of ms moves by several between runs
+    # (on CUDA, a 2k cell's seven runs spread as wide as the gap between two plans: 15 there)
     write_runs: int
     note: str
 
@@ -86,7 +87,7 @@ PROFILES = {
         "quick", 1, 256, 4, 2, 64, 512, 512, "float32", (256, 1024), 16, 128, 2, 2, 2, "smoke run: figures meaningless"
     ),
     "cuda": Profile(
-        "cuda", 32, 4096, 32, 8, 128, 14336, 32000, "bfloat16", (2048, 8192, 32768), 64, 2048, 3, 7, 2,
+        "cuda", 32, 4096, 32, 8, 128, 14336, 32000, "bfloat16", (2048, 8192, 32768), 64, 2048, 3, 15, 2,
         "bfloat16 on the GPU; Llama-3.1-8B's shape (32 layers, hidden 4096, 8 KV heads of 128) with random "
         "weights and a 32,000-token vocabulary; prefixes plus 64 new tokens",
     ),
