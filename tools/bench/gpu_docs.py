@@ -10,8 +10,9 @@ from pathlib import Path
 
 # (file, what the run was); the first of each kind is the one the README quotes.
 COLD_RUNS = (
+    ("cold-cuda.json", "an H100; fifteen runs a cell at 2k and 8k, the profile's default now"),
     (
-        "cold-cuda.json",
+        "cold-cuda-h200.json",
         "an H200; seven runs a cell at 2k and 8k, the page cache's warm paths run before the dropped ones",
     ),
     ("cold-cuda-runs15.json", "the same code on that H200, fifteen runs a cell at 2k and 8k (`--short-runs 15`)"),
@@ -30,6 +31,9 @@ COLD_RUNS = (
     ("cold-cuda-run1.json", "first run"),
 )
 SERVE_RUNS = (
+    ("serve-cuda.json", "an H100; the code at 5078ef6, the first of three runs in a row in one machine session"),
+    ("serve-cuda-2.json", "the same code, the second run of that machine session"),
+    ("serve-cuda-3.json", "the same code, the third run of that machine session"),
     (
         "serve-cuda-idle-stores.json",
         "an H100; the idle generation thread also stores waiting replies while a burst's requests are still "
@@ -122,8 +126,11 @@ SERVE_RUNS = (
     ),
     ("serve-cuda-staged-2.json", "the same code, a second run on that H200"),
     ("serve-cuda-staged-3.json", "the same code, a third run on that H200"),
-    ("serve-cuda.json", "an H200; requests arriving together prefill together; spill copies leave MLX's buffer cache"),
-    ("serve-cuda-2.json", "the same code, a second run on that H200"),
+    (
+        "serve-cuda-h200-spill-copies.json",
+        "an H200; requests arriving together prefill together; spill copies leave MLX's buffer cache",
+    ),
+    ("serve-cuda-h200-spill-copies-2.json", "the same code, a second run on that H200"),
     ("serve-cuda-h200-arrivals.json", "that H200, before spill copies left MLX's buffer cache"),
     (
         "serve-cuda-h100.json",
