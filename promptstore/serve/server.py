@@ -5,6 +5,7 @@ states, and a clean close of the store on SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -539,10 +540,28 @@ class _Shutdown:
     the handler as soon as it has it), and the next line another thread logs
     would wait forever (the warm start's last one did, with the store's close
     waiting for it). Such a signal is delivered again RESIGNAL_SECONDS later, at
-    most RESIGNAL_TIMES times in a row; then it stops serving wherever it lands."""
+    most RESIGNAL_TIMES times in a row; then it stops serving wherever it lands.
+
+    While the store opens (`held()`), a signal is acted on once it is open: the
+    open starts the warm start's thread, and a KeyboardInterrupt between that and
+    the store being in the caller's hands left nothing to close it (the process
+    ended with the warm start cut off and the store never closed)."""
 
     def __init__(self, timeout: float):
         self.timeout, self.started, self.deferred = timeout, False, 0
+        self.holding = self.pending = False
+
+    @contextlib.contextmanager
+    def held(self):
+        """A signal while the block runs stops serving when the block ends (its
+        deadline starts at once); an exception of the block's own goes first."""
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.pending:
+            raise KeyboardInterrupt
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -552,6 +571,10 @@ class _Shutdown:
         if self.started:
             log.warning("second signal: exiting without closing the store")
             os._exit(1)
+        if self.holding:
+            self.pending = True
+            self.begin()
+            return
         if _in_logging(frame) and self.deferred < RESIGNAL_TIMES:
             self.deferred += 1
             again = threading.Timer(RESIGNAL_SECONDS, os.kill, (os.getpid(), signum))
@@ -602,7 +625,8 @@ def main(argv=None) -> int:
             args.model = str(model_dir(args.model))  # a local directory: nothing is ever downloaded
             keyring = KeyRing(load_api_keys(args.api_keys) if args.api_keys else None)
             args.metrics_key = load_metrics_key(args.metrics_key_file, keyring) if args.metrics_key_file else None
-            store = PromptStore.open(args.store, **store_settings(args))
+            with shutdown.held():  # a signal meanwhile comes once `store` can be closed
+                store = PromptStore.open(args.store, **store_settings(args))
         except PromptStoreError as e:
             if args.debug:
                 raise

@@ -90,3 +90,32 @@ class _Idle:
 
     def start(self) -> None:
         pass
+
+
+def test_a_signal_while_the_store_opens_stops_serving_once_it_is_open():
+    """held(): the signal raises nothing inside the block (where the store is
+    being opened and its warm start begins), then KeyboardInterrupt once the
+    block is done, its result in hand; the shutdown's deadline started at the
+    signal."""
+    shutdown = _Shutdown(NEVER)
+    opened = None
+    with pytest.raises(KeyboardInterrupt):
+        with shutdown.held():
+            shutdown._on_signal(signal.SIGTERM, sys._getframe())  # nothing raised here
+            assert shutdown.started
+            opened = "store"
+    assert opened == "store" and not shutdown.holding
+    with pytest.raises(KeyboardInterrupt):  # held no longer: the next one acts where it lands
+        _Shutdown(NEVER)._on_signal(signal.SIGTERM, sys._getframe())
+
+
+def test_a_block_without_a_signal_or_with_its_own_error_is_left_as_it_is():
+    shutdown = _Shutdown(NEVER)
+    with shutdown.held():
+        pass
+    assert not shutdown.started
+    with pytest.raises(ValueError):  # the open's own error goes first, signal or not
+        with shutdown.held():
+            shutdown._on_signal(signal.SIGTERM, sys._getframe())
+            raise ValueError("no store")
+    assert not shutdown.holding
