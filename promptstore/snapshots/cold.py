@@ -79,13 +79,21 @@ def checksums(arrays: dict[str, mx.array], then: Callable[[list[mx.array]], obje
     (mx.async_eval) are waited for in turn, each hashed on the hashing threads
     as soon as it is there, while MLX goes on with the rest. `then` is called
     with each run of arrays once they are hashed (on a hashing thread)."""
+    return start_checksums(arrays, then)()
+
+
+def start_checksums(
+    arrays: dict[str, mx.array], then: Callable[[list[mx.array]], object] | None = None
+) -> Callable[[], dict[str, str]]:
+    """checksums() begun on the hashing threads; the returned function waits for
+    them. The caller may read the arrays meanwhile (the cold tier writes them)."""
     total = sum(a.nbytes for a in arrays.values())
     if len(arrays) < 2 or total < PARALLEL_HASH_BYTES:
         mx.eval(list(arrays.values()))
         sums = {name: checksum(a) for name, a in arrays.items()}
         if then is not None:
             then(list(arrays.values()))
-        return sums
+        return lambda: sums
     pool = _hash_pool()
     # Work in runs of consecutive arrays, a few per thread, so that many small
     # arrays do not cost a wait and a hand-off each.
@@ -99,7 +107,7 @@ def checksums(arrays: dict[str, mx.array], then: Callable[[list[mx.array]], obje
             views = [(n, _row_major_bytes(x)) for n, x in run]  # MLX work stays on this thread
             pending.append(pool.submit(_hash_run, views, [x for _, x in run], then))
             run, run_bytes = [], 0
-    return {name: digest for f in pending for name, digest in f.result()}
+    return lambda: {name: digest for f in pending for name, digest in f.result()}
 
 
 def span_checksums(data: memoryview, spans: dict[str, tuple[int, int]]) -> dict[str, str]:
@@ -141,6 +149,17 @@ def _staged_checksums(arrays: dict[str, mx.array], staged: dict) -> dict[str, st
             raise device.StagedElsewhere(device.staging_failed)
         _staged_checked = True
     return sums
+
+
+CHECKSUM_HEX = 32  # characters of an xxh3-128 digest in hex
+
+
+def _wait_quietly(sums: Callable[[], dict[str, str]]) -> None:
+    """Wait for checksums being computed, whatever they end in."""
+    try:
+        sums()
+    except Exception:  # the write's own error is the one reported
+        pass
 
 
 def checksum(array: mx.array) -> str:
@@ -477,14 +496,17 @@ class ColdTier:
         staged = device.staged_sources(arrays)  # CUDA: copied to the host by the copy engine
         if staged is not None:
             try:
-                return self._write(node, arrays, metadata, _staged_checksums(arrays, staged), staged)
+                sums = _staged_checksums(arrays, staged)
+                return self._write(node, arrays, metadata, lambda: sums, staged)
             except device.CudaError as e:  # the runtime, not the disk: host reads from now on
                 device.stop_staging(str(e))
             except device.StagedElsewhere:
                 pass  # staging is off for this process
         arrays = device.host_readable(arrays)  # on CUDA, the hot arrays stay on the device
         try:
-            return self._write(node, arrays, metadata, checksums(arrays))
+            # Hashed on the hashing threads while they are written: the header,
+            # which holds the checksums, goes in last.
+            return self._write(node, arrays, metadata, start_checksums(arrays))
         finally:
             device.release_host_copies(arrays)
 
@@ -493,19 +515,33 @@ class ColdTier:
         node: NodeId,
         arrays: dict[str, mx.array],
         metadata: dict[str, str],
-        sums: dict[str, str],
+        sums: Callable[[], dict[str, str]],
         staged: dict | None = None,
     ) -> FileRef:
-        meta = NodeFileMeta(
-            format_version=FORMAT_VERSION,
-            key=node.key.hex(),
-            namespace=node.namespace.hex(),
-            start=node.start,
-            end=node.end,
-            checksums=sums,
-            record=xxhash.xxh3_128_hexdigest(metadata[METADATA_KEY].encode()),
-        )
-        metadata[NODE_KEY] = meta.model_dump_json()
+        """Write the file; `sums` waits for the arrays' checksums, which may be
+        computed while the arrays are written (the header goes in after them)."""
+        record = xxhash.xxh3_128_hexdigest(metadata[METADATA_KEY].encode())
+
+        def with_record(checksums: dict[str, str]) -> dict[str, str]:
+            meta = NodeFileMeta(
+                format_version=FORMAT_VERSION,
+                key=node.key.hex(),
+                namespace=node.namespace.hex(),
+                start=node.start,
+                end=node.end,
+                checksums=checksums,
+                record=record,
+            )
+            return {**metadata, NODE_KEY: meta.model_dump_json()}
+
+        checked: dict[str, str] = {}
+
+        def final_metadata() -> dict[str, str]:
+            checked.update(sums())
+            return with_record(checked)
+
+        # Every checksum is an xxh3-128 in hex: the header has its final length already.
+        placeholder = with_record({name: "0" * CHECKSUM_HEX for name in arrays})
         named = [(name, a, staged[name] if staged else _row_major_bytes(a)) for name, a in arrays.items()]
         rel = self.relative_path(node, secrets.token_hex(TAG_BYTES))
         final = self.root / rel
@@ -514,7 +550,7 @@ class ColdTier:
             temp = final.with_name(f"{final.stem}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)  # private from the start
             try:
-                size = write_safetensors(fd, named, metadata, durable=self.fsync)
+                size = write_safetensors(fd, named, placeholder, durable=self.fsync, final_metadata=final_metadata)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -523,11 +559,13 @@ class ColdTier:
             self._sync_dir(final.parent)
         except OSError as e:
             self._discard(locals().get("temp"))
+            _wait_quietly(sums)  # the hashing threads are done with the arrays before they go
             raise DiskWriteError(f"could not write {rel}: {e.strerror or e}") from e
         except BaseException:  # a source failed (device.CudaError): no half-written file stays
             self._discard(locals().get("temp"))
+            _wait_quietly(sums)
             raise
-        digest = xxhash.xxh3_128_hexdigest(json.dumps(sums, sort_keys=True).encode())
+        digest = xxhash.xxh3_128_hexdigest(json.dumps(checked, sort_keys=True).encode())
         return FileRef(rel, size, digest)
 
     def _sync_dir(self, path: Path) -> None:

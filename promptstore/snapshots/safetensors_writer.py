@@ -6,6 +6,12 @@ flushing take turns. Here writeback of each stretch written starts at once
 (Linux's sync_file_range, as RocksDB's bytes_per_sync does), so the disk
 works while the rest is copied and the final fsync waits for the tail only.
 
+The arrays may go in before the header (`final_metadata`): the cold tier
+hashes them on its hashing threads while they are written, and the header,
+which holds their checksums, is written last into the room left for it (a
+checksum's length is known before its value). The file is byte for byte the
+one written in order, and it is renamed into place only once whole.
+
 And no more than IN_FLIGHT stretches are queued at the disk at a time: the
 writer waits for the oldest before it hands over another (RocksDB's
 strict_bytes_per_sync), since copying into the page cache outruns any disk
@@ -81,17 +87,30 @@ Bytes = memoryview | Callable[[], Iterable[memoryview]]
 
 
 def write_safetensors(
-    fd: int, named: Sequence[tuple[str, mx.array, Bytes]], metadata: dict[str, str], *, durable: bool
+    fd: int,
+    named: Sequence[tuple[str, mx.array, Bytes]],
+    metadata: dict[str, str],
+    *,
+    durable: bool,
+    final_metadata: Callable[[], dict[str, str]] | None = None,
 ) -> int:
     """Write arrays (name, array, its row-major bytes as the host reads them, or
     a function giving them in chunks) and metadata to the open file `fd`, from
     its start; returns the bytes written.
     durable: writeback starts as each stretch is written, at most IN_FLIGHT
-    stretches at a time (the caller fsyncs)."""
-    head = encode_header([(n, a.dtype, a.shape, a.nbytes) for n, a, _ in named], metadata)
-    written = flushed = 0
+    stretches at a time (the caller fsyncs).
+    final_metadata: the metadata to write, asked for once the arrays are
+    written (checksums computed meanwhile); `metadata` then holds values of
+    the same lengths, and the header goes in last, in the room left for it.
+    A final header of another length raises ValueError."""
+    tensors = [(n, a.dtype, a.shape, a.nbytes) for n, a, _ in named]
+    head = encode_header(tensors, metadata)
+    written, flushed = (0, 0) if final_metadata is None else (len(head), len(head))
+    if final_metadata is not None:
+        os.lseek(fd, len(head), os.SEEK_SET)
     started: deque[tuple[int, int]] = deque()  # stretches handed to the disk, oldest first
-    for data in [memoryview(head), *(v for _, _, v in named)]:
+    sources = [v for _, _, v in named] if final_metadata is not None else [memoryview(head), *(v for _, _, v in named)]
+    for data in sources:
         for chunk in _chunks(data):
             pacing.wait()  # requests waiting for their first tokens go first
             written += _write_all(fd, chunk)
@@ -105,6 +124,11 @@ def write_safetensors(
     expected = len(head) + sum(a.nbytes for _, a, _ in named)
     if written != expected:  # a source that gave fewer or more bytes than its array holds
         raise OSError(errno.EIO, f"wrote {written} bytes where the header describes {expected}")
+    if final_metadata is not None:
+        final = encode_header(tensors, final_metadata())
+        if len(final) != len(head):
+            raise ValueError(f"the final header takes {len(final)} bytes where {len(head)} were left for it")
+        _pwrite_all(fd, memoryview(final), 0)
     return written
 
 
@@ -115,6 +139,15 @@ def _chunks(data: Bytes) -> Iterator[memoryview]:
     data = data.cast("B") if data.nbytes else data
     for lo in range(0, data.nbytes, WRITE_CHUNK):
         yield data[lo : lo + WRITE_CHUNK]
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < data.nbytes:
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        done += n
 
 
 def _write_all(fd: int, data: memoryview) -> int:

@@ -214,8 +214,8 @@ def test_compact_leaves_this_processs_inflight_spill_alone(tmp_path, monkeypatch
     real_write = cold.write_safetensors
     writing, go_on = threading.Event(), threading.Event()
 
-    def slow_write(fd, named, metadata, *, durable):
-        written = real_write(fd, named, metadata, durable=durable)
+    def slow_write(fd, named, metadata, **options):
+        written = real_write(fd, named, metadata, **options)
         if not go_on.is_set():
             writing.set()  # the temp file is written; fsync and rename are next
             go_on.wait(30)

@@ -291,9 +291,9 @@ def test_snapshot_bytes_are_never_in_a_readable_file(tier, monkeypatch):
     seen = []
     real = cold.write_safetensors
 
-    def spy(fd, named, metadata, *, durable):
+    def spy(fd, named, metadata, **options):
         seen.append(stat.S_IMODE(os.fstat(fd).st_mode))  # before a byte is written
-        return real(fd, named, metadata, durable=durable)
+        return real(fd, named, metadata, **options)
 
     monkeypatch.setattr(cold, "write_safetensors", spy)
     with umask(0o022):
@@ -1027,6 +1027,50 @@ def test_a_write_releases_the_copies_it_read_whether_it_lands_or_fails(tmp_path,
     with pytest.raises(DiskWriteError):
         put(tier, snaps, key=OTHER_KEY)
     assert released == [released[0], released[0]]
+
+
+def test_a_failed_write_waits_for_its_checksums_and_leaves_no_file(tmp_path, monkeypatch):
+    """The arrays are hashed while they are written: when the write fails (the
+    disk refuses it, or a header would not fit the room left for it), the
+    hashing threads are done with the arrays before write() hands them back,
+    and no file, temporary or final, stays."""
+    import errno
+
+    from promptstore.errors import DiskWriteError
+    from promptstore.snapshots import device
+
+    events = []
+    real_start = cold.start_checksums
+
+    def start(arrays, then=None):
+        wait = real_start(arrays, then)
+        return lambda: events.append("hashed") or wait()
+
+    monkeypatch.setattr(device, "staged_sources", lambda arrays: None)
+    monkeypatch.setattr(device, "release_host_copies", lambda copies: events.append("released"))
+    monkeypatch.setattr(cold, "start_checksums", start)
+    tier = ColdTier(tmp_path / "cold")
+    snaps = _family_snapshots("llama")
+    real_write = cold.write_safetensors
+
+    def full(fd, named, metadata, **options):
+        os.write(fd, b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cold, "write_safetensors", full)
+    with pytest.raises(DiskWriteError):
+        put(tier, snaps)
+    assert events == ["hashed", "released"]
+    monkeypatch.setattr(cold, "write_safetensors", real_write)
+    monkeypatch.setattr(cold, "CHECKSUM_HEX", 24)  # placeholders 8 characters short of a digest
+    events.clear()
+    with pytest.raises(ValueError, match="final header"):
+        put(tier, snaps)
+    assert events[-1] == "released" and "hashed" in events[:-1]
+    assert [p for p in tier.root.rglob("*") if p.is_file()] == []
+    monkeypatch.setattr(cold, "CHECKSUM_HEX", 32)
+    put(tier, snaps)  # and the tier writes on
+    assert len([p for p in tier.root.rglob("*.safetensors")]) == 1
 
 
 class HostCopies:

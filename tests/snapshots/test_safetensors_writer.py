@@ -93,3 +93,46 @@ def test_writeback_starts_while_the_file_is_written_and_never_queues_much(tmp_pa
 def test_a_dtype_without_a_safetensors_name_is_refused():
     with pytest.raises(ValueError, match="complex64"):
         W.encode_header([("z", mx.complex64, (2,), 16)], {})
+
+
+def named_of(arrays: dict[str, mx.array]) -> list:
+    out = []
+    for name, a in arrays.items():
+        flat = mx.contiguous(a)
+        mx.eval(flat)
+        out.append((name, a, memoryview(flat)))
+    return out
+
+
+def test_a_header_written_last_gives_the_same_file(tmp_path):
+    """With final_metadata the arrays go in first and the header last, in the
+    room the placeholder left: the file is byte for byte the one written in order."""
+    arrays = arrays_of_every_dtype()
+    in_order = tmp_path / "in-order.safetensors"
+    write(in_order, arrays, {"sums": "0123456789abcdef", "k": "v"})
+    asked = []
+    last = tmp_path / "last.safetensors"
+    fd = os.open(last, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        size = W.write_safetensors(
+            fd,
+            named_of(arrays),
+            {"sums": "0" * 16, "k": "v"},
+            durable=True,
+            final_metadata=lambda: asked.append(os.fstat(fd).st_size) or {"sums": "0123456789abcdef", "k": "v"},
+        )
+    finally:
+        os.close(fd)
+    assert last.read_bytes() == in_order.read_bytes() and size == last.stat().st_size
+    assert asked == [size]  # asked for once, with every array already written
+
+
+def test_a_final_header_of_another_length_is_refused(tmp_path):
+    fd = os.open(tmp_path / "e.safetensors", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with pytest.raises(ValueError, match="final header"):
+            W.write_safetensors(
+                fd, named_of({"x": mx.ones((4,))}), {"s": "0"}, durable=False, final_metadata=lambda: {"s": "0" * 20}
+            )
+    finally:
+        os.close(fd)
