@@ -131,24 +131,46 @@ def _hash_run(views: list[tuple[str, memoryview]], run: list[mx.array], then) ->
 _staged_checked = False  # whether this process compared staged bytes with the arrays yet
 
 
-def _staged_checksums(arrays: dict[str, mx.array], staged: dict) -> dict[str, str]:
-    """checksum() of every array from its staged chunks. The first time in a
-    process, the bytes at both ends of every array are compared with the
-    arrays' own: a difference stops staging and raises StagedElsewhere."""
-    global _staged_checked
-    sums, ends = {}, {}
-    for name, chunks in staged.items():
-        digest, end = xxhash.xxh3_128(), reader.Ends()
-        for chunk in chunks():
-            digest.update(chunk)
-            end.add(chunk)
-        sums[name], ends[name] = digest.hexdigest(), end.value()
-    if not _staged_checked:
-        if not reader.ends_match(arrays, {n: e for n, e in ends.items() if arrays[n].nbytes}):
-            device.stop_staging("bytes staged from the device differ from the arrays'")
-            raise device.StagedElsewhere(device.staging_failed)
-        _staged_checked = True
-    return sums
+def _hashed_as_written(
+    arrays: dict[str, mx.array], staged: dict
+) -> tuple[dict[str, Callable[[], Iterator[memoryview]]], Callable[[], dict[str, str]]]:
+    """Each staged source hashing its chunks as the writer takes them (each
+    chunk crosses from the device once), and a function giving checksum() of
+    every array once all were taken. The first time in a process, the bytes at
+    both ends of every array are then compared with the arrays' own: a
+    difference stops staging and raises StagedElsewhere."""
+    taken: dict[str, tuple] = {}
+
+    def hashing(name: str, chunks: Callable[[], Iterator[memoryview]]) -> Callable[[], Iterator[memoryview]]:
+        def each() -> Iterator[memoryview]:
+            digest, end = xxhash.xxh3_128(), reader.Ends()
+            for chunk in chunks():
+                digest.update(chunk)
+                end.add(chunk)
+                yield chunk
+            taken[name] = (digest.hexdigest(), end.value())
+
+        return each
+
+    checked: list[dict[str, str] | Exception] = []  # the outcome, once known
+
+    def sums() -> dict[str, str]:
+        global _staged_checked
+        if taken.keys() != staged.keys():
+            raise RuntimeError("checksums asked for before every staged array was written")
+        if not checked:
+            checked.append({n: digest for n, (digest, _) in taken.items()})
+            if not _staged_checked:
+                if reader.ends_match(arrays, {n: end for n, (_, end) in taken.items() if arrays[n].nbytes}):
+                    _staged_checked = True
+                else:
+                    device.stop_staging("bytes staged from the device differ from the arrays'")
+                    checked[0] = device.StagedElsewhere(device.staging_failed)
+        if isinstance(checked[0], Exception):
+            raise checked[0]
+        return checked[0]
+
+    return {name: hashing(name, chunks) for name, chunks in staged.items()}, sums
 
 
 CHECKSUM_HEX = 32  # characters of an xxh3-128 digest in hex
@@ -496,8 +518,8 @@ class ColdTier:
         staged = device.staged_sources(arrays)  # CUDA: copied to the host by the copy engine
         if staged is not None:
             try:
-                sums = _staged_checksums(arrays, staged)
-                return self._write(node, arrays, metadata, lambda: sums, staged)
+                sources, sums = _hashed_as_written(arrays, staged)
+                return self._write(node, arrays, metadata, sums, sources)
             except device.CudaError as e:  # the runtime, not the disk: host reads from now on
                 device.stop_staging(str(e))
             except device.StagedElsewhere:

@@ -1129,7 +1129,9 @@ def test_a_staged_spill_writes_the_bytes_a_host_read_spill_writes(tmp_path, stag
     snaps = _family_snapshots(family)
     nbytes = sum(a.nbytes for s in snaps if s is not None for a in s.all_arrays())
     ref = put(ColdTier(tmp_path / "staged"), snaps)
-    assert staging.copies > 2 * nbytes // device.STAGE_BYTES  # checksums and file, through the stage
+    arrays = len([a for s in snaps if s is not None for a in s.all_arrays()])
+    # Every chunk crosses once, hashed as it is written (not once for the checksums, then for the file).
+    assert nbytes // device.STAGE_BYTES <= staging.copies <= nbytes // device.STAGE_BYTES + arrays
     assert device.staging_failed is None  # the check of both ends found the bytes right
     monkeypatch.setattr(device, "runtime", lambda: None)
     plain = put(ColdTier(tmp_path / "plain"), snaps)
@@ -1188,7 +1190,7 @@ def test_a_runtime_error_mid_spill_leaves_no_file_and_turns_staging_off(tmp_path
 
     def copy_async(dst, src, n, done):
         calls[0] += 1
-        if calls[0] > nbytes // device.STAGE_BYTES + 3:  # past the checksums, inside the file's writing
+        if calls[0] > nbytes // device.STAGE_BYTES // 2:  # halfway through the file's writing
             raise device.CudaError("cudaMemcpyAsync failed (CUDA error 700)")
         real(dst, src, n, done)
 
