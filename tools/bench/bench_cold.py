@@ -377,7 +377,7 @@ def writes(cache, p: Profile, tmp: Path, n: int) -> dict:
 
     def snapshots(fresh):
         snaps = snapshot_prompt_cache(fresh, 0)
-        mx.eval([a for s in snaps if s is not None for a in s.arrays.values()])
+        mx.eval([a for s in snaps if s is not None for a in s.all_arrays()])
         return snaps
 
     def cold(snaps, fsync: bool):
