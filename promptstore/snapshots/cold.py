@@ -556,12 +556,6 @@ class ColdTier:
             )
             return {**metadata, NODE_KEY: meta.model_dump_json()}
 
-        checked: dict[str, str] = {}
-
-        def final_metadata() -> dict[str, str]:
-            checked.update(sums())
-            return with_record(checked)
-
         # Every checksum is an xxh3-128 in hex: the header has its final length already.
         placeholder = with_record({name: "0" * CHECKSUM_HEX for name in arrays})
         named = [(name, a, staged[name] if staged else _row_major_bytes(a)) for name, a in arrays.items()]
@@ -572,7 +566,9 @@ class ColdTier:
             temp = final.with_name(f"{final.stem}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}")
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)  # private from the start
             try:
-                size = write_safetensors(fd, named, placeholder, durable=self.fsync, final_metadata=final_metadata)
+                size = write_safetensors(
+                    fd, named, placeholder, durable=self.fsync, final_metadata=lambda: with_record(sums())
+                )
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -587,7 +583,7 @@ class ColdTier:
             self._discard(locals().get("temp"))
             _wait_quietly(sums)
             raise
-        digest = xxhash.xxh3_128_hexdigest(json.dumps(checked, sort_keys=True).encode())
+        digest = xxhash.xxh3_128_hexdigest(json.dumps(sums(), sort_keys=True).encode())
         return FileRef(rel, size, digest)
 
     def _sync_dir(self, path: Path) -> None:

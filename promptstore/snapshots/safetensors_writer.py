@@ -105,12 +105,11 @@ def write_safetensors(
     A final header of another length raises ValueError."""
     tensors = [(n, a.dtype, a.shape, a.nbytes) for n, a, _ in named]
     head = encode_header(tensors, metadata)
-    written, flushed = (0, 0) if final_metadata is None else (len(head), len(head))
-    if final_metadata is not None:
-        os.lseek(fd, len(head), os.SEEK_SET)
+    last = final_metadata is not None  # the header goes in after the arrays
+    written = flushed = len(head) if last else 0
+    os.lseek(fd, written, os.SEEK_SET)
     started: deque[tuple[int, int]] = deque()  # stretches handed to the disk, oldest first
-    sources = [v for _, _, v in named] if final_metadata is not None else [memoryview(head), *(v for _, _, v in named)]
-    for data in sources:
+    for data in [*([] if last else [memoryview(head)]), *(v for _, _, v in named)]:
         for chunk in _chunks(data):
             pacing.wait()  # requests waiting for their first tokens go first
             written += _write_all(fd, chunk)
@@ -124,7 +123,7 @@ def write_safetensors(
     expected = len(head) + sum(a.nbytes for _, a, _ in named)
     if written != expected:  # a source that gave fewer or more bytes than its array holds
         raise OSError(errno.EIO, f"wrote {written} bytes where the header describes {expected}")
-    if final_metadata is not None:
+    if last:
         final = encode_header(tensors, final_metadata())
         if len(final) != len(head):
             raise ValueError(f"the final header takes {len(final)} bytes where {len(head)} were left for it")

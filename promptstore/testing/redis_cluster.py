@@ -133,6 +133,15 @@ class Replicated:
     """redis-server processes some of which replicate others (`servers`)."""
 
     servers: list[RedisServer]
+    tls: TLSFiles | None
+
+    def hosts_url(self, kind: str, nodes: list, path: str = "") -> str:
+        """The remote_url of `kind` ("cluster", "sentinel") naming `nodes`: over
+        TLS, trusting the test authority."""
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in nodes)
+        if self.tls is not None:
+            return f"rediss+{kind}://{hosts}{path}?ssl_ca_certs={self.tls.ca}"
+        return f"redis+{kind}://{hosts}{path}"
 
     def alive(self) -> list[RedisServer]:
         return [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
@@ -169,10 +178,7 @@ class Cluster(Replicated):
 
     @property
     def url(self) -> str:
-        nodes = ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
-        if self.tls is not None:
-            return f"rediss+cluster://{nodes}?ssl_ca_certs={self.tls.ca}"
-        return f"redis+cluster://{nodes}"
+        return self.hosts_url("cluster", self.servers)
 
     def start(self) -> Cluster:
         try:

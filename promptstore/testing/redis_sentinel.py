@@ -81,10 +81,7 @@ class SentinelGroup(Replicated):
 
     @property
     def url(self) -> str:
-        nodes = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
-        if self.tls is not None:
-            return f"rediss+sentinel://{nodes}/{SERVICE}?ssl_ca_certs={self.tls.ca}"
-        return f"redis+sentinel://{nodes}/{SERVICE}"
+        return self.hosts_url("sentinel", self.sentinels, f"/{SERVICE}")
 
     def start(self) -> SentinelGroup:
         try:
