@@ -157,3 +157,13 @@ class ServeRequestError(PromptStoreError, ValueError):
         super().__init__(message)
         self.status = status
         self.param = param
+
+
+class GenerationFailed(PromptStoreError, RuntimeError):
+    """A request of `promptstore serve` whose generation failed, or could not
+    begin (generation stopped, the server shutting down): its client gets a 500,
+    or a 503 while the server shuts down, in its API's shape."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status

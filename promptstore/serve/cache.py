@@ -318,12 +318,30 @@ class StoreCache:
             self._background.remove(item)
             self._run(item)
 
-    def _run(self, item: _Waiting) -> None:
+    def flush(self) -> tuple[int, list[str]]:
+        """Run every insert still waiting, parts of prompts first (generation
+        thread, at the close): how many were stored, and what was not."""
+        stored, failed = 0, []
+        while self._deferred or self._background:
+            item = (self._deferred or self._background).popleft()
+            if self._run(item):
+                stored += 1
+            else:
+                failed.append(f"{item.n_tokens} tokens ({item.cache_type})")
+        return stored, failed
+
+    def waiting(self) -> list[tuple[int, str]]:
+        """(tokens, kind) of every insert still waiting."""
+        return [(item.n_tokens, item.cache_type) for item in (*self._deferred, *self._background)]
+
+    def _run(self, item: _Waiting) -> bool:
         try:
             with self._timed():
                 item.work()
+            return True
         except Exception:
             log.exception("insert of %d tokens (%s) not stored", item.n_tokens, item.cache_type)
+            return False
 
     def _prepare_insert(self, model_key, tokens: list[int], prompt_cache):
         """The insert of `tokens` (None if nothing is to be stored), whether the

@@ -15,6 +15,7 @@ from mlx_lm import server as mlx_server
 from ..config import ENV_PREFIX, Settings
 from ..errors import ServeConfigError
 from .arrivals import GATHER_S
+from .door import DEFAULT_MAX_BODY_BYTES
 
 # Settings the server does not use (mlx-lm's --prefill-step-size drives prefill).
 UNUSED_SETTINGS = ("prefill_step",)
@@ -111,6 +112,22 @@ def _add_options(group) -> None:
         "--max-prompt-tokens",
         type=int,
         help="longest prompt accepted, in tokens (default: the model's max_position_embeddings, when known)",
+    )
+    group.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="largest request body accepted: a larger one is answered 413 before any of it is read "
+        f"(default: {DEFAULT_MAX_BODY_BYTES >> 20} MiB, the Messages API's own limit)",
+    )
+    group.add_argument(
+        "--max-tokens-limit",
+        type=_positive_int,
+        metavar="TOKENS",
+        help="most tokens one request may generate: a larger max_tokens is capped to it, and the reply says so "
+        "in its X-Max-Tokens-Capped header (default: no limit but the model's context; --max-tokens is the "
+        "default for requests that give none)",
     )
     group.add_argument(
         "--reply-tokens",
@@ -224,3 +241,13 @@ def accelerator_hot_bytes() -> int | None:
     info = mx.device_info()
     total = info.get("total_memory") or info.get("memory_size")  # CUDA, Metal
     return int(total) // 4 if isinstance(total, int) and total > 0 else None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value

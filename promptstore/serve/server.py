@@ -14,8 +14,11 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from queue import Empty as QueueEmpty
+from queue import Queue
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -23,16 +26,18 @@ from mlx_lm import server as mlx_server
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..console import model_dir
-from ..errors import PromptStoreError, ServeRequestError
+from ..errors import GenerationFailed, PromptStoreError, ServeRequestError
 from ..snapshots import device
 from ..store import PromptStore
 from . import apis
+from .apis.exchange import failure
 from .arrivals import ArrivalBudget, Arrivals
 from .cache import StoreCache, split_segments
+from .door import drain, read_body
 from .metrics import HitFigures, MetricsAccess, ServeMetrics, load_metrics_key
 from .options import build_parser, store_settings
 from .replies import ChatTurn
-from .shapes import check_max_tokens, check_messages
+from .schemas import ChatCompletionBody, CompletionBody, checked
 from .tenants import PUBLIC, KeyRing, Tenant, load_api_keys
 from .warmup import read_libraries, runtime_libraries, warm_up
 
@@ -140,6 +145,26 @@ class StoreModelProvider(mlx_server.ModelProvider):
         log.info("kernel warm-up: a batch of %d in %.2f s", batch, seconds)
 
 
+RESTARTS = 5  # the generation loop is started again after a failure, at most this many times
+RESTART_WINDOW_S = 60.0  # within this long; one failure more and the server exits non-zero
+
+
+class Replies(Queue):
+    """A request's response queue: known to its generator until its last item
+    (None) or an error is put (see StoreResponseGenerator._fail_replies)."""
+
+    def __init__(self, generator):
+        super().__init__()
+        self._generator = weakref.ref(generator)
+
+    def put(self, item, block=True, timeout=None):
+        super().put(item, block, timeout)
+        generator = self._generator()
+        if generator is not None and (item is None or isinstance(item, BaseException)):
+            with generator._replies_lock:
+                generator._replies.discard(self)
+
+
 class StoreResponseGenerator(mlx_server.ResponseGenerator):
     """mlx-lm's generation loop; tokenizing also tracks the request, fetches, and
     waits for requests being checked to join it (Arrivals); a waiting request
@@ -158,6 +183,14 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
         self.metrics_access = MetricsAccess(args.metrics, getattr(args, "metrics_key", None), keyring)
         self.metrics_access.warn()
+        # Requests whose replies are still coming (their response queues): a
+        # generation loop that fails fails them, and a closing waits for them.
+        self._replies: weakref.WeakSet[Replies] = weakref.WeakSet()
+        self._replies_lock = threading.Lock()
+        self.restarts: list[float] = []  # when the generation loop was started again (monotonic)
+        self.gave_up: str | None = None  # why generation stopped for good (the server then exits non-zero)
+        self._closing: float | None = None  # when stop_and_join asked the generation thread to close
+        self.closed_inserts: tuple[int, list[str]] | None = None  # (stored, not stored) at the close
         super().__init__(provider, cache)
         # Spills pause while a request waits for its first token (at most a second each).
         cache.store.give_way(lambda: not self._quiet())
@@ -176,13 +209,133 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
     def is_healthy(self) -> bool:
         return self.generation_available() and self.model_provider.ready
 
+    # --- the generation thread's life --------------------------------------------------
+
+    def _run_generate(self) -> None:
+        """mlx_lm.server's generation loop, started again on this thread when it
+        fails (its requests in flight fail with it, the others go on); after
+        RESTARTS failures within RESTART_WINDOW_S it stops for good and the
+        server exits non-zero, for a supervisor to start it afresh."""
+        while True:
+            try:
+                self._generate()
+                return
+            except Exception as e:
+                log.exception("generation failed: %s", e)
+                failed = self._fail_replies(e)
+                now = time.monotonic()
+                self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
+                if len(self.restarts) > RESTARTS or self._closing is not None:
+                    self.gave_up = f"{type(e).__name__}: {e}"
+                    self._generation_failed = True
+                    if self._closing is None:
+                        log.error(
+                            "generation failed %d times in %.0f s: the server exits", RESTARTS + 1, RESTART_WINDOW_S
+                        )
+                        os.kill(os.getpid(), signal.SIGTERM)  # stops serving; main() then exits non-zero
+                    return
+                log.warning("generation started again (%d requests in flight failed with it)", failed)
+
+    def _fail_replies(self, error: Exception) -> int:
+        """Fail every request whose reply is still coming: nothing more would come."""
+        with self._replies_lock:
+            waiting = list(self._replies)
+            self._replies.clear()
+        for replies in waiting:
+            replies.put(GenerationFailed(f"generation failed while serving this request: {error}"))
+        return len(waiting)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        timeline = getattr(request, "timeline", {})
+        timeline.setdefault("received", time.perf_counter())
+        timeline["queued"] = time.perf_counter()
+        self.arrivals.done(getattr(request, "arrival", None))
+        ctx, responses = self._queue(request, generation_args, progress_callback)
+        return ctx, self._logged(request, ctx, responses, timeline)
+
+    def _queue(self, request, generation_args, progress_callback):
+        """mlx_lm.server's generate(), with the request's response queue known
+        to the generator until its last item (see _fail_replies)."""
+        if not self.generation_available() or self._closing is not None:
+            raise (
+                GenerationFailed("the server is shutting down", 503)
+                if self._closing is not None
+                else GenerationFailed("generation stopped", 503)
+            )
+        replies = Replies(self)
+        with self._replies_lock:
+            self._replies.add(replies)
+        self.requests.put((replies, request, generation_args))
+
+        def _inner():
+            while True:
+                response = self._await_response(replies)
+                if response is None:
+                    break
+                if isinstance(response, Exception):
+                    raise response
+                if isinstance(response, tuple):
+                    if progress_callback is not None:
+                        progress_callback(*response)
+                    continue
+                yield response
+
+        ctx = self._await_response(replies)
+        if isinstance(ctx, Exception):
+            raise ctx
+        return ctx, _inner()
+
+    def _await_response(self, replies):
+        while True:
+            try:
+                return replies.get(timeout=1.0)
+            except QueueEmpty:
+                if not self.generation_available():
+                    raise GenerationFailed("generation stopped", 503) from None
+
+    def in_flight(self) -> int:
+        """Requests whose replies are still coming."""
+        with self._replies_lock:
+            return len(self._replies)
+
     def stop_and_join(self) -> None:
+        """Close on the generation thread, which owns the streams of every cache
+        in flight: the requests in flight finish (at most half the shutdown's
+        time), then every insert still waiting runs there, then the loop stops."""
+        if self._closing is None:
+            self._closing = time.monotonic()
         self.store_cache.store.give_way(None)  # no request will be served: spills go at their pace
         warming = self.store_cache.store.warming
         if warming is not None:
             warming.stop(timeout=0)  # a model waiting for it (--warm-start-first) waits no more
-        super().stop_and_join()
-        self.store_cache.run_background()  # what the last steps handed over (the generation thread is done)
+        self._generation_thread.join()
+        if self.closed_inserts is None:  # the loop had stopped already: nothing ran what waits
+            waiting = self.store_cache.waiting()
+            self.closed_inserts = (0, [f"{n} tokens ({why})" for n, why in waiting])
+
+    def _close_here(self) -> bool:
+        """On the generation thread, once closing: when no request is in flight
+        (or the drain's time is up), run every waiting insert and stop the loop.
+        Requests queued but not begun are refused (503)."""
+        if self._closing is None or self._stop:
+            return self._stop
+        while True:
+            try:
+                replies, _, _ = self.requests.get_nowait()
+            except QueueEmpty:
+                break
+            replies.put(GenerationFailed("the server is shutting down", 503))
+        drain_s = self.cli_args.shutdown_timeout / 2
+        if self.in_flight() and time.monotonic() - self._closing < drain_s:
+            return False
+        if self.in_flight():
+            log.warning(
+                "shutdown: %d requests still in flight after %.0f s are not finished", self.in_flight(), drain_s
+            )
+        log.info("shutdown: %d inserts waiting, stored on the generation thread", len(self.store_cache.waiting()))
+        self.closed_inserts = self.store_cache.flush()
+        self._stop = True
+        return True
 
     def _quiet(self) -> bool:
         """No request is being checked, queued, or waiting for its first token."""
@@ -193,6 +346,8 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         return self.requests.empty() and not self.store_cache.awaiting_first_token()
 
     def _before_step(self) -> None:
+        if self._close_here():
+            return
         cache = self.store_cache
         if cache.awaiting_first_token():
             return  # parts of prompts wait for the first tokens (a fetch runs them first)
@@ -201,6 +356,11 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
             cache.run_background(1)  # a finished request's, one a step, while the batch only decodes
 
     def _next_request(self, timeout=None):
+        if self._closing is not None:
+            self._close_here()
+            if timeout is not None:
+                time.sleep(min(timeout, 0.01))  # requests in flight finish; new ones wait for the close
+            return None
         cache = self.store_cache
         cache.run_deferred()  # before the loop takes a request or waits for one
         if timeout is not None and cache.has_background and self._idle():
@@ -225,8 +385,14 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         --api-keys the warm start's figures are left out: they count every tenant's data."""
         provider = self.model_provider
         body: dict = {"status": "ok", "model_loaded": provider.model is not None}
+        now = time.monotonic()
+        body["generation_restarts"] = len([t for t in self.restarts if now - t < RESTART_WINDOW_S])
+        if self.gave_up is not None:
+            return 503, body | {"status": "unavailable", "error": self.gave_up, "exiting": True}
         if not self.generation_available():
             return 503, body | {"status": "unavailable"}
+        if self._closing is not None:
+            return 503, body | {"status": "closing"}
         if not provider.ready:
             return 503, body | {"status": "loading"}
         warming = self.store_cache.store.warming
@@ -245,6 +411,9 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
 
     def _tokenize(self, tokenizer, request, args):
         getattr(request, "timeline", {})["tokenize"] = time.perf_counter()
+        # mlx_lm.server makes the stop-sequence matcher after this, outside the
+        # try that fails a request alone: a bad one fails here, inside it.
+        self._make_state_machine(self.model_provider.model_key, tokenizer, args.stop_words)
         rendered: Rendered | None = getattr(request, "rendered", None)
         messages = getattr(request, "messages", None)
         if rendered is not None:
@@ -289,6 +458,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         tokenizer = self.model_provider.tokenizer
         if tokenizer is None:
             raise ServeRequestError("the model is still loading; retry shortly", status=503)
+        self._check_length(tokenizer, request)
         if request.request_type == "text":
             prompt = self._text_tokens(tokenizer, request.prompt)
             rendered = Rendered(prompt, [prompt], ["assistant"], "normal", None)
@@ -314,6 +484,24 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
             )
         return rendered
 
+    def _check_length(self, tokenizer, request) -> None:
+        """Refuse a prompt whose text alone holds more tokens than the server takes,
+        counting piece by piece and stopping past the limit, before the whole of it
+        is rendered and tokenized (a 10 MB prompt took 15-24 s to tokenize)."""
+        limit = self.max_prompt_tokens
+        if limit is None:
+            return
+        texts = [request.prompt] if request.request_type == "text" else list(_message_texts(request.messages))
+        texts = [t for t in texts if isinstance(t, str)]
+        if sum(len(t) for t in texts) <= limit * 2:
+            return  # fewer characters than twice the limit: counted whole, below, at little cost
+        counted = at_least_tokens(tokenizer, texts, limit)
+        if counted > limit:
+            raise ServeRequestError(
+                f"the prompt has more than {limit} tokens; this server takes at most {limit} (--max-prompt-tokens)",
+                param="prompt" if request.request_type == "text" else "messages",
+            )
+
     def _text_tokens(self, tokenizer, prompt) -> list[int]:
         if isinstance(prompt, str):
             return [int(t) for t in tokenizer.encode(prompt)]
@@ -324,14 +512,6 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         if bad:
             raise ServeRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return list(prompt)
-
-    def generate(self, request, generation_args, progress_callback=None):
-        timeline = getattr(request, "timeline", {})
-        timeline.setdefault("received", time.perf_counter())
-        timeline["queued"] = time.perf_counter()
-        self.arrivals.done(getattr(request, "arrival", None))
-        ctx, responses = super().generate(request, generation_args, progress_callback)
-        return ctx, self._logged(request, ctx, responses, timeline)
 
     def _logged(self, request, ctx, responses, timeline):
         produced = 0
@@ -365,6 +545,36 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
             )
 
 
+PIECE_CHARS = 1 << 14  # text is counted in pieces of about this many characters, cut at whitespace
+
+
+def _message_texts(messages):
+    """The text of every message's content (strings and text parts)."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            yield from (part.get("text") for part in content if isinstance(part, dict))
+
+
+def at_least_tokens(tokenizer, texts: list[str], bound: int) -> int:
+    """A lower bound on the tokens of `texts`, counted in pieces cut where a word
+    begins, one token taken off each cut (a token may straddle it); it stops once
+    past `bound`."""
+    counted = 0
+    for text in texts:
+        start = 0
+        while start < len(text) and counted <= bound:
+            end = start + PIECE_CHARS
+            if end < len(text):
+                space = text.rfind(" ", start + PIECE_CHARS // 2, end)
+                end = space if space > start else end
+            counted += max(0, len(tokenizer.encode(text[start:end], add_special_tokens=False)) - 1)
+            start = end
+    return counted
+
+
 def first_token_out(ctx) -> None:
     """Mark the request whose GenerationContext this is as past its first token
     (the store's background work waits for no request past it)."""
@@ -392,22 +602,70 @@ def request_phases(timeline: dict, busy_between) -> dict[str, float]:
     return out
 
 
+COMPLETIONS = {
+    "/v1/chat/completions": ChatCompletionBody,
+    "/chat/completions": ChatCompletionBody,
+    "/v1/completions": CompletionBody,
+}
+MAX_TOKENS_UNKNOWN_CONTEXT = 1 << 20  # the most max_tokens may ask of a model that states no context
+
+
+class _Answered(BaseException):
+    """The handler has answered (an error, in the API's shape): unwinds through
+    mlx_lm.server's `except Exception`, which would answer 404."""
+
+
+class _Answering:
+    """The response generator as one chat or text completion's handler sees it:
+    a request that cannot be generated is answered in the API's shape."""
+
+    def __init__(self, generator: StoreResponseGenerator, handler: StoreHandler):
+        self._generator, self._handler = generator, handler
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+    def generate(self, *args, **kwargs):
+        try:
+            return self._generator.generate(*args, **kwargs)
+        except ServeRequestError as e:
+            self._handler._error(e.status, str(e), e.param)
+        except Exception as e:
+            self._handler._error(*failure(e))
+        raise _Answered
+
+
 class StoreHandler(mlx_server.APIHandler):
-    """mlx-lm's handler with API keys, the served model only, and prompt checks;
-    the Messages and Responses APIs (apis/) beside its chat completions."""
+    """mlx-lm's handler with API keys, the served model only, and every request
+    checked at the door (door.py, schemas.py); the Messages and Responses APIs
+    (apis/) beside its chat and text completions."""
 
     tenant: Tenant = PUBLIC
     api: apis.Exchange | None = None  # the Messages or Responses API serving this request
+    capped: str | None = None  # how max_tokens was capped, said in a header of the reply
+    headers_sent = False
 
     def do_POST(self):
+        route = self.path.split("?")[0].rstrip("/")
         self.api = apis.route(self)
+        if self.api is None and route not in COMPLETIONS:
+            self._discard_body()
+            self._error(404, f"no such endpoint: POST {route}")
+            return
         tenant = self._authorize()
-        if tenant is not None:
-            self.tenant = tenant
-            if self.api is not None:
-                self.api.serve()
-            else:
-                super().do_POST()
+        if tenant is None:
+            return
+        self.tenant = tenant
+        try:
+            body = read_body(self, self.response_generator.cli_args.max_body_bytes)
+        except ServeRequestError as e:
+            self._error(e.status, str(e), e.param)
+            drain(self)
+            return
+        if self.api is not None:
+            self.api.serve(body)
+        else:
+            self.complete(route, body)
 
     def do_GET(self):
         if self.path.split("?")[0] == "/metrics":
@@ -457,23 +715,159 @@ class StoreHandler(mlx_server.APIHandler):
             return
         if 0 < n <= limit:
             self.rfile.read(n)
+        elif n > limit:
+            self.unread = n
+            drain(self)
 
-    def _error(self, status: int, message: str) -> None:
+    def _error(self, status: int, message: str, param: str | None = None) -> None:
+        """An error in the shape of the API this request is for (OpenAI's for
+        chat and text completions)."""
         if self.api is not None:
-            self.api.error(status, message)  # in that API's shape
+            self.api.error(status, message, param)  # in that API's shape
             return
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        code = {401: "invalid_api_key", 404: "model_not_found" if param == "model" else "not_found"}.get(status)
+        data = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
         self._set_completion_headers(status)
+        self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(json.dumps({"error": message}).encode())
+        self.wfile.write(data)
         self.wfile.flush()
 
-    def validate_model_parameters(self) -> None:
-        check_max_tokens(self.body)  # before mlx-lm's own checks, which take true for 1
-        super().validate_model_parameters()
+    def _set_completion_headers(self, status_code: int = 200):
+        super()._set_completion_headers(status_code)
+        if self.capped is not None and status_code == 200:
+            self.send_header("X-Max-Tokens-Capped", self.capped)
 
-    def handle_chat_completions(self):
-        check_messages(self.body)  # mlx-lm walks the messages before anything checks their shape
-        return super().handle_chat_completions()
+    def _set_stream_headers(self, status_code: int = 200):
+        super()._set_stream_headers(status_code)
+        if self.capped is not None and status_code == 200:
+            self.send_header("X-Max-Tokens-Capped", self.capped)
+
+    def end_headers(self):
+        super().end_headers()
+        self.headers_sent = True
+
+    # --- chat and text completions ---------------------------------------------------
+
+    def complete(self, route: str, body: dict) -> None:
+        """A chat or text completion: the body checked against its schema, taken as
+        mlx_lm.server's handler takes it, and served by mlx_lm.server's handler."""
+        chat = COMPLETIONS[route] is ChatCompletionBody
+        try:
+            self._take(checked(COMPLETIONS[route], body), body)
+            request = self.handle_chat_completions() if chat else self.handle_text_completions()
+        except ServeRequestError as e:
+            self._error(e.status, str(e), e.param)
+            return
+        except Exception as e:  # mlx_lm.server's own reading (an image it cannot fetch, say)
+            self._error(400, f"the request cannot be read: {e}")
+            return
+        self.handle_completion(request, self.stop_words)
+
+    def _take(self, body, raw: dict) -> None:
+        """The checked body as mlx_lm.server's do_POST sets it on its handler (the
+        server's defaults for what the client left out), then what only the server
+        can check: the served model, its adapter and draft model, token ids."""
+        args = self.response_generator.cli_args
+        given = lambda value, default: default if value is None else value  # noqa: E731
+        self.body = raw
+        self.stream = body.stream
+        self.stream_options = body.stream_options.model_dump() if body.stream_options is not None else None
+        self.requested_model = body.model
+        self.requested_draft_model = body.draft_model or "default_model"
+        self.num_draft_tokens = given(body.num_draft_tokens, args.num_draft_tokens)
+        self.adapter = body.adapters
+        ceiling = getattr(body, "max_completion_tokens", None)
+        self.max_tokens = self.check_max_tokens(
+            given(ceiling, given(body.max_tokens, args.max_tokens)),
+            "max_completion_tokens" if ceiling is not None else "max_tokens",
+        )
+        self.temperature = given(body.temperature, args.temp)
+        self.top_p, self.top_k, self.min_p = (
+            given(body.top_p, args.top_p),
+            given(body.top_k, args.top_k),
+            given(body.min_p, args.min_p),
+        )
+        self.repetition_penalty = given(body.repetition_penalty, 0.0)
+        self.repetition_context_size = given(body.repetition_context_size, 20)
+        self.presence_penalty = given(body.presence_penalty, 0.0)
+        self.presence_context_size = given(body.presence_context_size, 20)
+        self.frequency_penalty = given(body.frequency_penalty, 0.0)
+        self.frequency_context_size = given(body.frequency_context_size, 20)
+        self.xtc_probability, self.xtc_threshold = given(body.xtc_probability, 0.0), given(body.xtc_threshold, 0.1)
+        self.logit_bias = self._token_bias(body.logit_bias)
+        logprobs = body.logprobs
+        self.logprobs = bool(logprobs)
+        top = 0 if isinstance(logprobs, bool) else logprobs  # a completion's logprobs: how many top tokens
+        self.top_logprobs = given(body.top_logprobs, top or -1)
+        self.seed = body.seed
+        self.chat_template_kwargs = getattr(body, "chat_template_kwargs", None)
+        self.stop_words = body.stop or []
+        self.check_served()
+
+    def check_served(self) -> None:
+        """The model, adapter and draft model asked for are the ones served."""
+        provider = self.response_generator.model_provider
+        args = provider.cli_args
+        if self.adapter is not None and self.adapter != args.adapter_path:
+            served = f"serves adapter {args.adapter_path!r} only" if args.adapter_path else "serves no adapters"
+            raise ServeRequestError(f"adapters {self.adapter!r} cannot be used: this server {served}", param="adapters")
+        if self.requested_draft_model not in ("default_model", args.draft_model):
+            served = (
+                f"drafts with {args.draft_model!r} only" if args.draft_model else "was started without a draft model"
+            )
+            raise ServeRequestError(
+                f"draft_model {self.requested_draft_model!r} cannot be used: this server {served}", param="draft_model"
+            )
+        if self.requested_model not in provider.names:
+            message = f"model {self.requested_model!r} not served: this server serves {provider.public_id!r}"
+            raise ServeRequestError(message, status=404, param="model")
+
+    def _token_bias(self, bias: dict | None) -> dict | None:
+        if bias is None:
+            return None
+        vocab = self.response_generator.model_provider.vocab_size
+        out = {int(k): float(v) for k, v in bias.items()}
+        outside = [k for k in out if vocab is not None and not 0 <= k < vocab]
+        if outside:
+            raise ServeRequestError(
+                f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {vocab})", param="logit_bias"
+            )
+        return out
+
+    def check_max_tokens(self, value: int, name: str) -> int:
+        """`value` (max_tokens or the API's name for it), refused when more than
+        the model's context (or --max-tokens-limit) could ever hold."""
+        provider = self.response_generator.model_provider
+        context = provider.max_positions
+        ceiling = context or MAX_TOKENS_UNKNOWN_CONTEXT
+        if value > ceiling:
+            what = "the model's context" if context else "what this server generates for one request"
+            raise ServeRequestError(f"{name} must be at most {ceiling} ({what}), got {value}", param=name)
+        limit = self.response_generator.cli_args.max_tokens_limit
+        if limit is not None and value > limit:
+            self.capped = f"{value} -> {limit} (--max-tokens-limit)"
+            return limit
+        return value
+
+    def fit(self, request: StoreRequest, max_tokens: int, name: str) -> int:
+        """max_tokens capped to what the model's context holds after the prompt;
+        the reply says so in a header (X-Max-Tokens-Capped)."""
+        context = self.response_generator.model_provider.max_positions
+        if context is None or request.rendered is None:
+            return max_tokens
+        room = context - len(request.rendered.prompt)
+        if room < 1:
+            raise ServeRequestError(
+                f"the prompt has {len(request.rendered.prompt)} tokens: it fills the model's context ({context})",
+                param="messages" if request.request_type == "chat" else "prompt",
+            )
+        if max_tokens > room:
+            self.capped = f"{max_tokens} -> {room} (the model's context of {context} less the prompt)"
+            log.info("%s %d capped to %d: the model's context is %d tokens", name, max_tokens, room, context)
+            return room
+        return max_tokens
 
     def handle_models_request(self):
         provider = self.response_generator.model_provider
@@ -486,25 +880,51 @@ class StoreHandler(mlx_server.APIHandler):
         self.wfile.flush()
 
     def handle_completion(self, request, stop_words):
+        """mlx_lm.server's, with the request admitted first, and every failure
+        answered in the API's shape (before the reply began: a 500 or 503;
+        while it streams: an error event)."""
+        generator = self.response_generator
         try:
             request = self.admit(request)
+            self.max_tokens = self.fit(request, self.max_tokens, "max_tokens")
         except ServeRequestError as e:
-            self._error(e.status, str(e))
+            self._error(e.status, str(e), e.param)
             return
+        self.response_generator = _Answering(generator, self)
         try:
             super().handle_completion(request, stop_words)
+        except _Answered:
+            pass
+        except OSError as e:
+            log.debug("client went away: %s", e)
+        except Exception as e:
+            log.warning("reply ended by an error: %s", e)
+            self._failed(*failure(e))
         finally:
-            self.response_generator.arrivals.done(request.arrival)  # queued by generate, or never will be
+            self.response_generator = generator
+            generator.arrivals.done(request.arrival)  # queued by generate, or never will be
+
+    def _failed(self, status: int, message: str) -> None:
+        """A reply that failed after it began: an error event in a stream, else
+        the error in place of the reply whose headers were never sent."""
+        try:
+            if self.headers_sent:
+                if self.stream:
+                    error = {"message": message, "type": "server_error", "param": None, "code": None}
+                    self.wfile.write(f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode())
+                    self.wfile.flush()
+                self.close_connection = True
+                return
+            self._headers_buffer = []  # the 200's status line, never sent
+            self._error(status, message)
+        except OSError:
+            pass  # the client went away
 
     def admit(self, request) -> StoreRequest:
         """The request as the generation thread takes it (for the served model, its
         prompt rendered and checked, its tenant), or ServeRequestError before
         anything is queued. The Messages and Responses APIs admit theirs here too."""
         received = time.perf_counter()
-        provider = self.response_generator.model_provider
-        if not provider.served(self.requested_model, self.adapter, self.requested_draft_model):
-            message = f"model {self.requested_model!r} not served: this server serves {provider.public_id!r}"
-            raise ServeRequestError(message, status=404, param="model")
         with self.response_generator.arrivals.checking() as arrival:
             rendered = self.response_generator.check_prompt(request, self.chat_template_kwargs)
         timeline = {"received": received, "checked": time.perf_counter()}
@@ -521,6 +941,8 @@ def run(args, cache: StoreCache, keyring: KeyRing) -> StoreResponseGenerator:
             mlx_server._run_http_server(args.host, args.port, generator, handler_class=StoreHandler)
         else:
             generator.join()
+    except KeyboardInterrupt:
+        pass
     finally:
         generator.stop_and_join()
     return generator
@@ -619,7 +1041,7 @@ def main(argv=None) -> int:
     # Installed first: a signal while the store opens (and starts its warm start) closes it.
     shutdown = _Shutdown(args.shutdown_timeout)
     shutdown.install()
-    store = None
+    store = generator = None
     try:
         try:
             args.model = str(model_dir(args.model))  # a local directory: nothing is ever downloaded
@@ -642,16 +1064,33 @@ def main(argv=None) -> int:
             tenants=keyring.tenants(),
         )
         log.info("store %s (durability %s)", store.path, store.settings.durability)
-        run(args, cache, keyring)
+        generator = run(args, cache, keyring)
     except KeyboardInterrupt:
         pass
     finally:
         if store is not None:
             shutdown.begin()
             store.close()
-            if not store.unwritten[0]:  # else close() warned of what the disk refused
-                log.info("store closed: everything is on disk")
-    _exit_now(0)
+            log.info("%s", closing_line(generator, store))
+    _exit_now(1 if generator is not None and generator.gave_up else 0)
+
+
+def closing_line(generator: StoreResponseGenerator | None, store: PromptStore) -> str:
+    """What the close kept: the inserts that waited at the signal (stored on the
+    generation thread, or not, and which), what the disk refused; "everything is
+    on disk" only when nothing was lost."""
+    stored, lost = (generator.closed_inserts if generator is not None else None) or (0, [])
+    said = []
+    if stored or lost:
+        said.append(
+            f"{stored} waiting inserts stored" + (f", {len(lost)} not stored: {', '.join(lost)}" if lost else "")
+        )
+    nodes, nbytes = store.unwritten
+    if nodes:
+        said.append(f"{nodes} nodes ({nbytes / 1e6:.1f} MB) not written: the disk refused them")
+    if not lost and not nodes:
+        said.append("everything is on disk")
+    return "store closed: " + "; ".join(said)
 
 
 CUDNN_SDPA = "MLX_CUDA_USE_CUDNN_SDPA"

@@ -9,9 +9,8 @@ import json
 import logging
 from dataclasses import dataclass
 
-from ...errors import ServeRequestError
+from ...errors import GenerationFailed, ServeRequestError
 from ..cache import split_segments
-from ..shapes import kind
 from .chat import ChatRequest, marked_positions
 from .events import Finish, Text, ToolCall, reply_events
 
@@ -45,8 +44,18 @@ class InputTokens:
         return cls(total, restored, total - held)
 
 
+def failure(error: Exception) -> tuple[int, str]:
+    """The status and message a request that could not be generated is answered with."""
+    if isinstance(error, GenerationFailed):
+        return error.status, str(error)
+    log.warning("request not generated: %s", error)
+    return 500, f"the request could not be generated: {error}"
+
+
 class Exchange:
     """Serves one request; subclasses translate the body and write the reply."""
+
+    max_tokens_field = "max_tokens"  # the API's name for it
 
     def __init__(self, handler):
         self.handler = handler
@@ -72,20 +81,19 @@ class Exchange:
 
     # --- serving ----------------------------------------------------------------
 
-    def serve(self) -> None:
+    def serve(self, body: dict) -> None:
         generator = self.handler.response_generator
         request = None
         try:
-            chat = self.translate(read_body(self.handler))
+            chat = self.translate(body)
             request = self.admit(chat)
             args = chat.generation_arguments(generator.cli_args)
             ctx, responses = generator.generate(request, args, progress_callback=self._keepalive)
         except ServeRequestError as e:
             self.error(e.status, str(e), e.param)
             return
-        except Exception as e:  # refused by the generation thread (mlx_lm.server answers these too)
-            log.warning("request not generated: %s", e)
-            self.error(500, f"the request could not be generated: {e}")
+        except Exception as e:  # refused by the generation thread, or generation stopped
+            self.error(*failure(e))
             return
         finally:
             if request is not None:
@@ -102,7 +110,9 @@ class Exchange:
         handler = self.handler
         handler.requested_model, handler.adapter, handler.requested_draft_model = chat.model, None, "default_model"
         handler.chat_template_kwargs, handler.stream = None, chat.stream
+        handler.check_served()
         request = handler.admit(chat.completion_request())
+        chat.max_tokens = handler.fit(request, chat.max_tokens, self.max_tokens_field)
         rendered = request.rendered
         if rendered is not None and chat.marked:
             generator = handler.response_generator
@@ -123,11 +133,12 @@ class Exchange:
         events = reply_events(ctx, responses, chat.tools, tokenizer, chat.stop)
         try:
             play(reply, events, lambda: InputTokens.of(ctx, request))
-        except OSError:
-            raise  # the client went away: nobody to answer
+        except OSError as e:
+            log.debug("client went away: %s", e)  # nobody to answer
+            return
         except Exception as e:
             log.warning("reply ended by an error: %s", e)
-            self.error(500, f"the reply failed: {e}")
+            self.error(*failure(e))
             return
         if not chat.stream:
             self.send_json(200, reply.body())
@@ -182,22 +193,3 @@ def play(reply, events, input_tokens) -> None:
 
 def _ignore(name: str, data: dict) -> None:
     """emit() of a reply that is not streamed."""
-
-
-def read_body(handler) -> dict:
-    """The request's JSON object, or ServeRequestError."""
-    length = handler.headers.get("Content-Length")
-    if length is None:
-        raise ServeRequestError("a Content-Length header is required", status=411)
-    try:
-        n = int(length)
-    except ValueError:
-        raise ServeRequestError(f"the Content-Length header {length!r} is not a number") from None
-    raw = handler.rfile.read(n)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ServeRequestError(f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ServeRequestError(f"the body must be a JSON object, got {kind(body)}")
-    return body

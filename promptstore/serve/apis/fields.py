@@ -1,13 +1,13 @@
-"""Request fields of the Messages and Responses APIs, checked where they are
-read: a wrong one raises ServeRequestError naming the field (its `param`) and
-what was expected, before anything is rendered or queued."""
+"""The blocks and items inside a Messages or Responses request, checked where
+they are translated (schemas.py checks the fields around them): a wrong one
+raises ServeRequestError naming it (its `param`) and what was expected."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ...errors import ServeRequestError
-from ..shapes import kind
+from ..schemas import kind
 
 MISSING = object()
 
@@ -39,45 +39,6 @@ def text(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise bad(where, "a string", value)
     return value
-
-
-def boolean(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise bad(where, "true or false", value)
-    return value
-
-
-def integer(value: Any, where: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise bad(where, f"an integer of at least {low}", value)
-    return value
-
-
-def number(value: Any, where: str, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise bad(where, f"a number from {low} to {high}", value)
-    return float(value)
-
-
-def strings(value: Any, where: str) -> list[str]:
-    """A string or a list of strings (stop sequences), as a list."""
-    if isinstance(value, str) and value:
-        return [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise bad(where, "a list of non-empty strings", value)
-    return list(value)
-
-
-def sampling(body: dict, names: dict[str, tuple]) -> dict[str, float]:
-    """The sampling fields a client sent, checked: {name: (low, high)}, high None
-    for an integer (top_k). Fields left out take the server's defaults."""
-    out = {}
-    for name, (low, high) in names.items():
-        value = body.get(name)
-        if value is None:
-            continue
-        out[name] = integer(value, name, low) if high is None else number(value, name, low, high)
-    return out
 
 
 def function_tool(tool: dict, where: str, schema: str, *, schema_required: bool) -> dict:

@@ -11,14 +11,15 @@ import json
 import uuid
 
 from ...errors import ServeRequestError
+from ..schemas import CountTokensBody, MessagesBody, checked
 from . import fields
 from .chat import ChatRequest, Conversation
 from .events import Finish, Text, ToolCall
-from .exchange import Exchange, InputTokens, read_body
+from .exchange import Exchange, InputTokens
 
 ROLES = ("user", "assistant")
 MAX_MARKS = 4  # blocks with cache_control in one request, as the Messages API allows
-SAMPLING = {"temperature": (0.0, 1.0), "top_p": (0.0, 1.0), "top_k": (0, None)}
+SAMPLING = ("temperature", "top_p", "top_k")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 ERROR_TYPES = {
     401: "authentication_error",
@@ -32,22 +33,22 @@ ERROR_TYPES = {
 class MessagesAPI(Exchange):
     """POST /v1/messages."""
 
+    schema = MessagesBody
+
     def translate(self, body: dict) -> ChatRequest:
+        checked_ = checked(self.schema, body, dotted=True)
         conversation, tools = _conversation(body)
-        stops = body.get("stop_sequences")
+        sampling = {name: getattr(checked_, name) for name in SAMPLING if getattr(checked_, name) is not None}
         return ChatRequest(
-            model=fields.text(body.get("model", "default_model"), "model"),
+            model=checked_.model,
             messages=conversation.messages,
             tools=tools,
-            max_tokens=self._max_tokens(body),
-            stop=fields.strings(stops, "stop_sequences") if stops is not None else [],
-            stream=fields.boolean(body.get("stream", False), "stream"),
-            sampling=fields.sampling(body, SAMPLING),
+            max_tokens=self.handler.check_max_tokens(checked_.max_tokens, "max_tokens"),
+            stop=checked_.stop_sequences or [],
+            stream=checked_.stream,
+            sampling=sampling,
             marked=conversation.marked,
         )
-
-    def _max_tokens(self, body: dict) -> int:
-        return fields.integer(fields.required(body, "max_tokens", "max_tokens"), "max_tokens", 1)
 
     def error_body(self, status: int, message: str, param: str | None) -> dict:
         kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
@@ -64,17 +65,16 @@ class CountTokensAPI(MessagesAPI):
     """POST /v1/messages/count_tokens: the prompt's tokens as this server renders
     it (nothing is generated or stored)."""
 
-    def serve(self) -> None:
+    schema = CountTokensBody
+
+    def serve(self, body: dict) -> None:
         try:
-            request = self.admit(self.translate(read_body(self.handler)))
+            request = self.admit(self.translate(body))
         except ServeRequestError as e:
             self.error(e.status, str(e), e.param)
             return
         self.handler.response_generator.arrivals.done(request.arrival)  # counted, never queued
         self.send_json(200, {"input_tokens": len(request.rendered.prompt)})
-
-    def _max_tokens(self, body: dict) -> int:
-        return 1  # count_tokens takes no max_tokens
 
 
 # --- requests -----------------------------------------------------------------------

@@ -11,6 +11,7 @@ import time
 import uuid
 
 from ...errors import ServeRequestError
+from ..schemas import ResponsesBody, checked
 from . import fields
 from .chat import ChatRequest, Conversation
 from .events import Finish, Text, ToolCall
@@ -19,7 +20,7 @@ from .exchange import Exchange, InputTokens
 # Roles as chat templates know them: a developer message is a system message.
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text")
-SAMPLING = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+SAMPLING = ("temperature", "top_p")
 # Fields of server-side state this server does not keep.
 STATEFUL = {
     "previous_response_id": "send the conversation in 'input' instead (this server keeps no responses)",
@@ -32,24 +33,25 @@ class ResponsesAPI(Exchange):
 
     body: dict  # the request, set by translate: the response echoes its settings
 
+    max_tokens_field = "max_output_tokens"
+
     def translate(self, body: dict) -> ChatRequest:
+        checked_ = checked(ResponsesBody, body)
         _stateless(body)
         _text_format(body.get("text"))
         self.body = body
+        limit = checked_.max_output_tokens
+        default = self.handler.response_generator.cli_args.max_tokens  # the server's --max-tokens
+        sampling = {name: getattr(checked_, name) for name in SAMPLING if getattr(checked_, name) is not None}
         return ChatRequest(
-            model=fields.text(body.get("model", "default_model"), "model"),
+            model=checked_.model,
             messages=_conversation(body).messages,
             tools=_tools(body.get("tools")),
-            max_tokens=self._max_tokens(body.get("max_output_tokens")),
+            max_tokens=self.handler.check_max_tokens(default if limit is None else limit, "max_output_tokens"),
             stop=[],
-            stream=fields.boolean(body.get("stream", False), "stream"),
-            sampling=fields.sampling(body, SAMPLING),
+            stream=checked_.stream,
+            sampling=sampling,
         )
-
-    def _max_tokens(self, limit) -> int:
-        if limit is None:
-            return self.handler.response_generator.cli_args.max_tokens  # the server's --max-tokens
-        return fields.integer(limit, "max_output_tokens", 1)
 
     def error_body(self, status: int, message: str, param: str | None) -> dict:
         kind = "server_error" if status >= 500 else "invalid_request_error"

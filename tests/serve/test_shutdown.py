@@ -1,0 +1,84 @@
+"""A SIGTERM right after a round's replies: every insert still waiting runs on
+the generation thread before the store closes, the closing line counts them,
+and after a restart every conversation's next turn restores its last reply."""
+
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from .conftest import QUESTIONS, SYSTEM, chat, rendered_length, store_problems
+
+CONVERSATIONS = 4
+SYSTEMS = [f"{SYSTEM} You are assistant number {i}, and you sign every answer with your number." for i in range(4)]
+
+
+def _round(client, conversations: list[list[dict]]) -> list[str]:
+    """One turn of every conversation at once; returns the replies' texts."""
+    replies: list[str | None] = [None] * len(conversations)
+    errors = []
+
+    def talk(i: int) -> None:
+        try:
+            replies[i] = chat(client, conversations[i], max_tokens=8)[0]
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=talk, args=(i,)) for i in range(len(conversations))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and all(r is not None for r in replies), errors
+    return replies
+
+
+def _closing(log: str) -> tuple[int, int]:
+    """(inserts waiting at the signal, inserts the closing line says were stored)."""
+    waiting = re.findall(r"shutdown: (\d+) inserts waiting", log)
+    closed = [line for line in log.splitlines() if "store closed:" in line]
+    assert waiting and closed, log[-3000:]
+    stored = re.search(r"(\d+) waiting inserts stored", closed[-1])
+    assert "not stored" not in closed[-1] and "everything is on disk" in closed[-1], closed[-1]
+    return int(waiting[-1]), int(stored.group(1)) if stored else 0
+
+
+def sigterm_after_a_round(serve, model, store, durability: str) -> None:
+    server = serve(model, "--durability", durability, store=store)
+    client = server.client()
+    conversations = [
+        [{"role": "system", "content": s}, {"role": "user", "content": QUESTIONS[i]}] for i, s in enumerate(SYSTEMS)
+    ]
+    replies = _round(client, conversations)
+    server.proc.send_signal(signal.SIGTERM)  # within a millisecond of the last reply
+    signalled = time.monotonic()
+    assert server.proc.wait(timeout=60) == 0, server.log()[-3000:]
+    waiting, stored = _closing(server.log())
+    assert stored == waiting, server.log()[-3000:]
+    assert "There is no Stream" not in server.log() and "not stored" not in server.log()
+    assert time.monotonic() - signalled < 30
+
+    previous = []
+    for i, reply in enumerate(replies):
+        conversations[i] += [{"role": "assistant", "content": reply}]
+        previous.append(rendered_length(model, conversations[i]))
+        conversations[i] += [{"role": "user", "content": QUESTIONS[(i + 1) % 4]}]
+    server = serve(model, "--durability", durability, store=store)
+    restored = [chat(server.client(), c, max_tokens=2)[2] for c in conversations]
+    assert all(r >= p for r, p in zip(restored, previous)), (restored, previous)
+    assert server.stop() == 0
+    assert store_problems(store) == {}
+
+
+@pytest.mark.parametrize("durability", ["write_through", "write_back", "sync"])
+def test_a_sigterm_right_after_the_replies_keeps_every_reply(serve, model_dir, tmp_path, durability):
+    sigterm_after_a_round(serve, model_dir("llama"), tmp_path / "store", durability)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("durability", ["write_through", "write_back", "sync"])
+def test_twenty_sigterms_in_a_row_keep_every_reply(serve, model_dir, tmp_path, durability):
+    for run in range(20):
+        sigterm_after_a_round(serve, model_dir("llama"), tmp_path / f"store{run}", durability)
