@@ -178,11 +178,22 @@ class ChatCompletionBody(Sampling):
 class CompletionBody(Sampling):
     """POST /v1/completions: one prompt, a string or token ids."""
 
-    prompt: str | Annotated[list[int], Field(min_length=1)]
+    prompt: Annotated[Any, Field()]
     logprobs: bool | Annotated[int, Field(ge=0, le=5)] = False
     echo: Literal[False] | None = None
     best_of: Literal[1] | None = None
     suffix: None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, str) or (
+            isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        ):
+            return value
+        if value == []:
+            raise PydanticCustomError("prompt", "must not be empty")
+        raise PydanticCustomError("prompt", "must be a string or a list of token ids (one prompt per request)")
 
 
 # --- the Messages API (Anthropic) -------------------------------------------------------

@@ -232,9 +232,13 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
                         log.error(
                             "generation failed %d times in %.0f s: the server exits", RESTARTS + 1, RESTART_WINDOW_S
                         )
-                        os.kill(os.getpid(), signal.SIGTERM)  # stops serving; main() then exits non-zero
+                        self.exit_for_supervisor()
                     return
                 log.warning("generation started again (%d requests in flight failed with it)", failed)
+
+    def exit_for_supervisor(self) -> None:
+        """Stop serving, as SIGTERM does: main() closes the store and exits non-zero."""
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _fail_replies(self, error: Exception) -> int:
         """Fail every request whose reply is still coming: nothing more would come."""

@@ -178,7 +178,7 @@ def test_while_requests_are_checked_the_idle_generation_thread_stores_waiting_re
     from promptstore.serve.server import StoreResponseGenerator
 
     gen = StoreResponseGenerator.__new__(StoreResponseGenerator)
-    gen.requests, gen.arrivals, gen._is_distributed = Queue(), Arrivals(bound=0.05), False
+    gen.requests, gen.arrivals, gen._is_distributed, gen._closing = Queue(), Arrivals(bound=0.05), False, None
     gen.store_cache = WaitingInserts(2, replies_first)
     with gen.arrivals.checking():  # a request being checked, not yet queued
         assert gen._next_request(timeout=0.01) is None

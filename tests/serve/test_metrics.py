@@ -108,7 +108,7 @@ def test_counters_equal_what_the_responses_reported_across_a_restart(serve, mode
     assert restored == {"hot": 0, "cold": cold.cached, "remote": 0, "computed": 0}
     assert value(m, "promptstore_restore_seconds_count", **label, tier="cold") == 1
     assert 0 < value(m, "promptstore_restore_bytes_total", **label, tier="cold") <= value(m, "promptstore_stored_bytes")
-    assert get(server, "/health").json() == {"status": "ok", "model_loaded": True}
+    assert get(server, "/health").json() == {"status": "ok", "model_loaded": True, "generation_restarts": 0}
     assert server.stop() == 0
 
 
@@ -133,7 +133,12 @@ def test_only_the_operators_key_reads_metrics_and_a_tenant_learns_nothing_of_ano
     assert alice[1].cached > 0
     assert seen_by("key-bob") == before  # alice's requests change nothing bob can read
     assert before[0][0] == 403 and "operator's key" in before[0][1]
-    assert before[1] == {"status": "ok", "model_loaded": True, "warm_start": {"done": True}}  # no figures
+    assert before[1] == {
+        "status": "ok",
+        "model_loaded": True,
+        "generation_restarts": 0,
+        "warm_start": {"done": True},
+    }  # no figures
     for key in (None, "key-mallory", OPERATOR + "x"):
         assert get(server, "/metrics", key).status_code == 401
     assert get(server, "/metrics", "key-alice").status_code == 403
@@ -151,11 +156,12 @@ def test_only_the_operators_key_reads_metrics_and_a_tenant_learns_nothing_of_ano
 
 SHORT = [{"role": "user", "content": "Hello there."}]
 WRONG_SHAPES = [
-    ({"messages": "Hello there."}, "messages must be a non-empty list of objects with 'role' and 'content'"),
-    ({"messages": []}, "messages must be a non-empty list of objects with 'role' and 'content', got an empty list"),
-    ({"messages": ["Hello", 3]}, "messages[0] must be an object with 'role' and 'content', got a string"),
-    ({"messages": [{"content": "Hello"}]}, "messages[0].role must be a string"),
-    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content must be a string or a list of content parts"),
+    ({"messages": "Hello there."}, 'messages must be a list, got a string "Hello there."'),
+    ({"messages": []}, "messages must be a non-empty list, got an empty list"),
+    ({"messages": ["Hello", 3]}, 'messages[0] must be an object, got a string "Hello"'),
+    ({"messages": [{"content": "Hello"}]}, "messages[0].role is required"),
+    ({"messages": [{"role": "wizard", "content": "Hello"}]}, "messages[0].role must be 'system', 'developer', 'user'"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content must be a string or a list, got 7"),
     (
         {
             "messages": [
@@ -164,9 +170,9 @@ WRONG_SHAPES = [
                 {"role": "user", "content": [{"type": "text", "text": "hear"}, {"type": "audio", "audio": "AAAA"}]},
             ]
         },
-        "messages[2].content[1].type 'audio' is not supported (expected text or image_url)",
+        "messages[2].content[1].type must be 'text', 'image_url', 'input_image' or 'image', got a string \"audio\"",
     ),
-    ({"messages": [{"role": "user", "content": ["Hello"]}]}, "messages[0].content[0] must be an object with a 'type'"),
+    ({"messages": [{"role": "user", "content": ["Hello"]}]}, "messages[0].content[0] must be an object, got a string"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text must"),
     ({"messages": SHORT, "max_tokens": "12"}, 'max_tokens must be an integer, got a string "12"'),
     ({"messages": SHORT, "max_tokens": 2.5}, "max_tokens must be an integer, got 2.5"),
@@ -182,12 +188,14 @@ def test_requests_of_the_wrong_shape_get_a_400_naming_the_field_and_metrics_off_
     with httpx.Client(trust_env=False, timeout=60) as http:
         for body, message in WRONG_SHAPES:
             r = http.post(server.url + "/v1/chat/completions", json=body)
-            assert r.status_code == 400 and message in r.json()["error"], (body, r.text)
+            error = r.json()["error"]
+            assert r.status_code == 400 and message in error["message"], (body, r.text)
+            assert error["type"] == "invalid_request_error" and message.startswith(error["param"]), error
             assert "object has no attribute" not in r.text
         r = http.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": "4"})
-        assert r.status_code == 400 and "max_tokens must be an integer" in r.json()["error"]
+        assert r.status_code == 400 and "max_tokens must be an integer" in r.json()["error"]["message"]
     client = server.client()  # the official client sends these shapes as they are
-    with pytest.raises(openai.BadRequestError, match=r"content\[0\]\.type 'input_audio' is not supported"):
+    with pytest.raises(openai.BadRequestError, match=r"content\[0\]\.type must be"):
         client.chat.completions.create(
             model="default_model",
             messages=[
@@ -199,7 +207,7 @@ def test_requests_of_the_wrong_shape_get_a_400_naming_the_field_and_metrics_off_
         client.chat.completions.create(model="default_model", messages=SHORT, max_tokens="4")
     assert complete(client, SHORT, 4).completion > 0  # still serving, and nothing was queued for the bad ones
     r = get(server, "/metrics")
-    assert r.status_code == 404 and "--no-metrics" in r.json()["error"]
+    assert r.status_code == 404 and "--no-metrics" in r.json()["error"]["message"]
     assert server.stop() == 0
 
 

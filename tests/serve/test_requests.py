@@ -25,7 +25,7 @@ def test_two_api_keys_never_hit_each_other(serve, model_dir, tmp_path):
         chat(server.client("key-mallory"), messages)
     with httpx.Client(trust_env=False, timeout=30) as http:  # no Authorization header at all
         r = http.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 4})
-        assert r.status_code == 401 and "API key" in r.json()["error"]
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
         assert http.get(server.url + "/v1/models").status_code == 401
         assert http.get(server.url + "/health").status_code == 200
     assert server.stop() == 0
@@ -49,7 +49,7 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(serve,
         r = http.post(
             server.url + "/v1/chat/completions", content=b'{"messages": [', headers={"Content-Type": "application/json"}
         )
-        assert r.status_code == 400 and "Invalid JSON" in r.json()["error"]
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
         models = http.get(server.url + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == [str(model.resolve())]
     still_serving()

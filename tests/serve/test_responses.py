@@ -103,7 +103,7 @@ def test_a_function_call_round_trip_renders_and_restores_as_chat_completions(ser
 
 
 BAD = [
-    ({"input": 5}, "input", "input must be a string or a non-empty list of items"),
+    ({"input": 5}, "input", "input must be a string or a list, got 5"),
     ({"input": []}, "input", "input must be a string or a non-empty list"),
     ({"input": [{"role": "robot", "content": "Hi"}]}, "input[0].role", "input[0].role must be one of"),
     ({"input": [{"type": "web_search_call"}]}, "input[0].type", "'web_search_call' is not supported"),
@@ -115,8 +115,8 @@ BAD = [
     ),
     ({"instructions": 3}, "instructions", "instructions must be a string"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "'function'"),
-    ({"max_output_tokens": 0}, "max_output_tokens", "an integer of at least 1"),
-    ({"temperature": -1}, "temperature", "a number from 0.0 to 2.0"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "must be at least 1, got 0"),
+    ({"temperature": -1}, "temperature", "temperature must be at least 0, got -1"),
     ({"text": {"format": {"type": "json_schema"}}}, "text.format.type", "'text'"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", "send the conversation in 'input'"),
 ]

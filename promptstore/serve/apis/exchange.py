@@ -111,8 +111,9 @@ class Exchange:
         handler.requested_model, handler.adapter, handler.requested_draft_model = chat.model, None, "default_model"
         handler.chat_template_kwargs, handler.stream = None, chat.stream
         handler.check_served()
+        max_tokens = handler.check_max_tokens(chat.max_tokens, self.max_tokens_field)
         request = handler.admit(chat.completion_request())
-        chat.max_tokens = handler.fit(request, chat.max_tokens, self.max_tokens_field)
+        chat.max_tokens = handler.fit(request, max_tokens, self.max_tokens_field)
         rendered = request.rendered
         if rendered is not None and chat.marked:
             generator = handler.response_generator

@@ -43,7 +43,7 @@ class MessagesAPI(Exchange):
             model=checked_.model,
             messages=conversation.messages,
             tools=tools,
-            max_tokens=self.handler.check_max_tokens(checked_.max_tokens, "max_tokens"),
+            max_tokens=checked_.max_tokens,
             stop=checked_.stop_sequences or [],
             stream=checked_.stream,
             sampling=sampling,

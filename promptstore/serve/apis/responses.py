@@ -41,13 +41,12 @@ class ResponsesAPI(Exchange):
         _text_format(body.get("text"))
         self.body = body
         limit = checked_.max_output_tokens
-        default = self.handler.response_generator.cli_args.max_tokens  # the server's --max-tokens
         sampling = {name: getattr(checked_, name) for name in SAMPLING if getattr(checked_, name) is not None}
         return ChatRequest(
             model=checked_.model,
             messages=_conversation(body).messages,
             tools=_tools(body.get("tools")),
-            max_tokens=self.handler.check_max_tokens(default if limit is None else limit, "max_output_tokens"),
+            max_tokens=self.handler.response_generator.cli_args.max_tokens if limit is None else limit,
             stop=[],
             stream=checked_.stream,
             sampling=sampling,
