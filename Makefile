@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 
-.PHONY: setup demo test test-slow cold-stress lint format bench bench-anchors soak soak-quick openblas redis redis-cluster redis-sentinel clean
+.PHONY: setup demo test test-slow test-gpu cold-stress lint format bench bench-anchors soak soak-quick openblas redis redis-cluster redis-sentinel clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,29 @@ format: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
+
+# The serve, generation and shutdown tests on MLX's CUDA backend, run ON the GPU machine
+# (docs/serve.md, "Serve tests on a GPU"): no .venv there, so it runs $(PYTHON) with .gpu/w2
+# and .gpu/w4 installed into /tmp/site and PYTHONPATH=/tmp/site:$$PWD. It fails unless MLX's
+# default device is the GPU (ALLOW_CPU=1 to try it on a CPU). Writes NAME.json (a summary),
+# NAME.junit.xml and NAME.log to $$OUT where set, else to bench-results/.
+# PART=A or PART=B runs one half (each well inside one 10-minute device call; B takes every
+# serve test file not in A, new ones included), TESTS=... any selection; BUDGET stops pytest
+# (SIGINT: it still writes its report) that many seconds in; COMMIT names the commit where
+# there is no .git. `tools/gpu/run-tests.py --merge A.json B.json` joins two halves' summaries.
+GPU_TESTS_A := tests/serve/test_shutdown.py tests/serve/test_generation_loop.py tests/serve/test_hostile.py \
+	tests/serve/test_requests.py tests/serve/test_lifecycle.py
+GPU_TESTS_B := $(filter-out $(GPU_TESTS_A),$(sort $(wildcard tests/serve/test_*.py))) \
+	tests/store/test_end_to_end.py tests/store/test_hybrid_checkpoints.py tests/store/test_tokens.py \
+	tests/caches/test_dropin.py tests/cli/test_chat.py
+PART ?=
+TESTS ?= $(if $(PART),$(GPU_TESTS_$(PART)),$(GPU_TESTS_A) $(GPU_TESTS_B))
+NAME ?= test-gpu$(if $(PART),-$(PART))
+TEST_TIMEOUT ?= 300
+BUDGET ?= 540
+test-gpu:
+	$(PYTHON) tools/gpu/run-tests.py --name $(NAME) --timeout $(TEST_TIMEOUT) --budget $(BUDGET) \
+	  $(if $(ALLOW_CPU),--allow-cpu) $(if $(COMMIT),--commit $(COMMIT)) -- $(TESTS) $(PYTEST_ARGS)
 
 # The cold path's tests (reads, checksums, plans, warm start, corruption, crashes)
 # 20 times in a row, each test under a 120 s bound, while the whole suite runs

@@ -52,7 +52,44 @@ def read_body(handler, limit: int) -> dict:
         raise ServeRequestError("the body is not valid JSON: it nests too deeply") from None
     if not isinstance(body, dict):
         raise ServeRequestError(f"the body must be a JSON object, got {kind(body)}")
+    _check_text(body)
     return body
+
+
+def _check_text(body: dict) -> None:
+    """A JSON string may escape half of a surrogate pair (`"\\ud800"`): text no
+    tokenizer takes. Refused, naming the field that holds it."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        where = _unpaired(body, "")
+        raise ServeRequestError(
+            f"{where or 'the body'} holds an unpaired surrogate (\\ud800-\\udfff)", param=where
+        ) from None
+
+
+def _unpaired(value, where: str) -> str | None:
+    """Where in `value` a string with an unpaired surrogate is (a key's or a value's)."""
+    if isinstance(value, str):
+        return where if _surrogate(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        name = key if isinstance(key, int) else key.encode("utf-8", "backslashreplace").decode("utf-8")
+        at = f"{where}[{name}]" if isinstance(key, int) else (f"{where}.{name}" if where else name)
+        if isinstance(key, str) and _surrogate(key):
+            return at
+        found = _unpaired(item, at)
+        if found is not None:
+            return found
+    return None
+
+
+def _surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
 
 
 def _json_type(content_type: str) -> bool:

@@ -650,6 +650,20 @@ class StoreHandler(mlx_server.APIHandler):
     headers_sent = False
 
     def do_POST(self):
+        """Every POST gets an answer: a fault of the server's is a 500 in the API's
+        shape (or, once a reply began, the end of the connection), never a
+        connection closed with nothing said."""
+        try:
+            self._post()
+        except OSError as e:
+            log.debug("client went away: %s", e)
+        except Exception as e:
+            log.exception("request failed: %s", e)
+            if not self.headers_sent:
+                self._error(500, f"the request failed: {e}")
+            self.close_connection = True
+
+    def _post(self) -> None:
         route = self.path.split("?")[0].rstrip("/")
         self.api = apis.route(self)
         if self.api is None and route not in COMPLETIONS:

@@ -41,7 +41,10 @@ QUESTIONS = [
 
 
 # Quantization groups are at least 32 wide: --kv-bits needs head dim 32.
-VARIANTS = {"llama-hd32": ("llama", {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32})}
+VARIANTS = {
+    "llama-hd32": ("llama", {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}),
+    "llama-ctx64": ("llama", {"max_position_embeddings": 64}),  # a context a test fills quickly
+}
 
 
 def free_port() -> int:

@@ -3,6 +3,8 @@ prefill's, each turn restores the whole previous turn, and so after a restart.""
 
 import pytest
 
+from promptstore.snapshots import device
+
 from .conftest import QUESTIONS, SYSTEM, chat, reference_reply, rendered_length, store_problems
 
 
@@ -95,6 +97,10 @@ def test_speculative_decoding_with_a_draft_model_restores_and_replies_equal(serv
         previous = rendered_length(model, messages)
 
 
+@pytest.mark.skipif(
+    device.CUDA,
+    reason="MLX's CUDA backend has no quantized_matmul for this model's shape (1x101x32x2, 8 bits, group 32)",
+)
 def test_quantized_kv_cache_restores_and_replies_equal(serve, model_dir):
     """--kv-bits: caches turn quantized past --quantized-kv-start; the store
     keeps plain and quantized layouts in two namespaces of the model."""

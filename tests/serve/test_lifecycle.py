@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from promptstore import PromptStore
 from promptstore.caches import make_prompt_cache
+from promptstore.snapshots import device
 
 from .conftest import QUESTIONS, SYSTEM, Server, chat, loaded, reference_reply, rendered_length, store_problems
 
@@ -158,7 +159,7 @@ def test_warm_start_first_loads_the_model_after_it_and_a_sigterm_meanwhile_close
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
     text, _, _ = chat(server.client(), messages)
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": QUESTIONS[1]}]
-    assert "before the model loads" not in server.log()  # off by default without CUDA
+    assert ("before the model loads" in server.log()) == device.CUDA  # on by default with CUDA only
     assert server.stop() == 0
 
     server = serve(model, "--warm-start-first", store=tmp_path / "chats")  # returns once healthy
@@ -191,7 +192,7 @@ def test_the_kernel_warm_up_runs_before_the_server_is_healthy_and_stores_nothing
     server = serve(model)  # returns once /health says 200
     log = server.log()
     assert "kernel warm-up: a batch of 4 in" in log, log[-3000:]
-    assert "GPU runtime libraries" not in log  # on by default, and nothing to read on CPU
+    assert ("GPU runtime libraries" in log) == device.CUDA  # on by default, and nothing to read on CPU
     assert server.stop() == 0
     assert list((server.store / "cold").rglob("*.safetensors")) == []  # nothing of it was stored
 

@@ -1,11 +1,13 @@
 """Tenants and bad requests: API keys keep namespaces apart, and every bad
 request gets a 4xx answer with a message while the server keeps serving."""
 
+import time
+
 import httpx
 import openai
 import pytest
 
-from .conftest import QUESTIONS, SYSTEM, api_keys_file, chat, reference_reply
+from .conftest import QUESTIONS, SYSTEM, api_keys_file, chat, reference_reply, rendered_length
 
 SALTS = {"key-alice": "salt-of-alice-7f3a", "key-bob": "salt-of-bob-91c2"}
 
@@ -76,3 +78,47 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(serve,
         ).usage.prompt_tokens_details.cached_tokens
         == 4
     )
+
+
+def test_max_tokens_past_the_context_is_refused_or_capped_and_the_reply_says_which(serve, model_dir):
+    model = model_dir("llama-ctx64")  # a context of 64 positions
+    server = serve(model, "--max-tokens-limit", "24")
+    messages = [{"role": "user", "content": "Hello there."}]
+    prompt = rendered_length(model, messages) + 1  # with the generation prompt's tokens, at least
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        r = http.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 65})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert "at most 64 (the model's context)" in r.json()["error"]["message"]
+        body = {"messages": messages, "max_tokens": 60, "temperature": 0}
+        r = http.post(server.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.headers["X-Max-Tokens-Capped"] == "60 -> 24 (--max-tokens-limit)"
+        assert r.json()["usage"]["completion_tokens"] <= 24
+        r = http.post(server.url + "/v1/responses", json={"input": "Hello there.", "max_output_tokens": 60})
+        assert r.status_code == 200 and r.headers["X-Max-Tokens-Capped"].startswith("60 -> 24")
+    quiet = serve(model, store=server.store)  # no limit: the context caps what the prompt leaves
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        r = http.post(quiet.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 64})
+        assert r.status_code == 200, r.text
+        capped = r.headers["X-Max-Tokens-Capped"]
+        assert capped.startswith("64 -> ") and "the model's context of 64 less the prompt" in capped
+        assert r.json()["usage"]["completion_tokens"] <= 64 - prompt
+        small = {"messages": messages, "max_tokens": 4}
+        assert "X-Max-Tokens-Capped" not in http.post(quiet.url + "/v1/chat/completions", json=small).headers
+
+
+def test_a_10_mb_prompt_is_refused_before_it_is_tokenized(serve, model_dir):
+    """Within the default body limit (32 MiB), but past the prompt limit: counted
+    in pieces, it is refused long before the 15-24 s a whole tokenization took."""
+    server = serve(model_dir("llama"), "--max-prompt-tokens", "256")
+    text = "Hello there, how are you? " * 400_000
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        for path, body in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
+            ("/v1/completions", {"prompt": text, "max_tokens": 2}),
+            ("/v1/messages", {"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
+        ):
+            started = time.monotonic()
+            r = http.post(server.url + path, json=body)
+            assert r.status_code == 400 and "more than 256 tokens" in r.text, r.text[:300]
+            assert time.monotonic() - started < 2.0  # reading 10 MB included
+        assert http.get(server.url + "/health").status_code == 200

@@ -15,7 +15,7 @@ from ..schemas import CountTokensBody, MessagesBody, checked
 from . import fields
 from .chat import ChatRequest, Conversation
 from .events import Finish, Text, ToolCall
-from .exchange import Exchange, InputTokens
+from .exchange import Exchange, InputTokens, failure
 
 ROLES = ("user", "assistant")
 MAX_MARKS = 4  # blocks with cache_control in one request, as the Messages API allows
@@ -72,6 +72,9 @@ class CountTokensAPI(MessagesAPI):
             request = self.admit(self.translate(body))
         except ServeRequestError as e:
             self.error(e.status, str(e), e.param)
+            return
+        except Exception as e:  # a fault of the server's, still answered in the API's shape
+            self.error(*failure(e))
             return
         self.handler.response_generator.arrivals.done(request.arrival)  # counted, never queued
         self.send_json(200, {"input_tokens": len(request.rendered.prompt)})
@@ -166,11 +169,11 @@ def _message(message, where: str, conversation: Conversation) -> None:
     for j, block in enumerate(blocks):
         at = f"{where}.content.{j}"
         fields.obj(block, at)
-        add = BLOCKS[role].get(block.get("type"))
+        kind = block.get("type")
+        add = BLOCKS[role].get(kind) if isinstance(kind, str) else None
         if add is None:
             raise ServeRequestError(
-                f"{at}.type {block.get('type')!r} is not supported in a {role} message "
-                f"(expected one of: {', '.join(BLOCKS[role])})",
+                f"{at}.type {kind!r} is not supported in a {role} message (expected one of: {', '.join(BLOCKS[role])})",
                 param=f"{at}.type",
             )
         add(turn, block, at)

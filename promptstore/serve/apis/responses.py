@@ -98,7 +98,8 @@ def _input(value, conversation: Conversation) -> None:
     for i, item in enumerate(items):
         where = f"input[{i}]"
         fields.obj(item, where)
-        add = ITEMS.get(item.get("type", "message"))
+        kind = item.get("type", "message")
+        add = ITEMS.get(kind) if isinstance(kind, str) else None
         if add is None:
             raise ServeRequestError(
                 f"{where}.type {item.get('type')!r} is not supported (expected one of: {', '.join(ITEMS)})",
@@ -109,7 +110,7 @@ def _input(value, conversation: Conversation) -> None:
 
 def _message(item: dict, where: str, conversation: Conversation) -> None:
     role = item.get("role", fields.MISSING)
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise fields.bad(f"{where}.role", f"one of {', '.join(ROLES)}", role)
     content = fields.required(item, "content", f"{where}.content")
     conversation.add({"role": ROLES[role], "content": _text(content, f"{where}.content")})
