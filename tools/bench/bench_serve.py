@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import mlx.core as mx
 import numpy as np
-from common import OPENBLAS_HINT, blas_info, blas_warning, write_results
+from common import OPENBLAS_HINT, blas_info, blas_warning, describe_device, drop_page_cache, write_results
 from openai import OpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -532,34 +532,6 @@ def kernel_cache() -> set[str]:
     folders = [Path(os.environ["MLX_PTX_CACHE_DIR"])] if os.environ.get("MLX_PTX_CACHE_DIR") else []
     folders += Path(tempfile.gettempdir()).glob("mlx/*/ptx")
     return {f.name for folder in folders if folder.is_dir() for f in folder.iterdir() if f.suffix == ".ptx"}
-
-
-def drop_page_cache() -> bool:
-    """Empty the machine's page cache (root); False where that is not allowed."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError as e:
-        print(f"page cache not dropped: {e}", file=sys.stderr)
-        return False
-
-
-def describe_device() -> str:
-    if mx.default_device() == mx.gpu:
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-            ).stdout.strip()
-            if out:
-                return f"GPU: {out.splitlines()[0]}"
-        except (OSError, subprocess.SubprocessError):
-            pass
-        return f"GPU: {mx.device_info().get('device_name', 'unknown')}"
-    return f"CPU: {os.cpu_count()} cores ({mx.default_device()})"
 
 
 TIMELINE = re.compile(
