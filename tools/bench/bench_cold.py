@@ -46,6 +46,7 @@ from common import (  # noqa: E402
     describe_device,
     drop_page_cache,
     evict_files,
+    print_goals,
     summarize,
     write_results,
 )
@@ -715,8 +716,7 @@ def print_summary(d: dict) -> None:
     print("host:", {k: round(v, 2) if isinstance(v, float) else v for k, v in (d["host_limits"] or {}).items()})
     for name, row in d["writes"]["rows"].items():
         print(f"{name:40} {row['median_s'] * 1e3:9.1f} ms {row['gbps']:6.2f} GB/s")
-    for g in d["goals"]:
-        print(f"  {'met   ' if g['met'] else 'MISSED'} {g['goal']}: {g['value']:.3f} (limit {g['limit']})")
+    print_goals([(g["goal"], g["value"], f"<= {g['limit']}") for g in d["goals"]])
     print(f"first token equal on every path of each prefix: {d['first_token_equal_everywhere']}")
 
 

@@ -31,7 +31,15 @@ from pathlib import Path
 import httpx
 import mlx.core as mx
 import numpy as np
-from common import OPENBLAS_HINT, blas_info, blas_warning, describe_device, drop_page_cache, write_results
+from common import (
+    OPENBLAS_HINT,
+    blas_info,
+    blas_warning,
+    describe_device,
+    drop_page_cache,
+    print_goals,
+    write_results,
+)
 from openai import OpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -672,8 +680,17 @@ def print_table(report: dict, payload: dict) -> None:
         print(f"promptstore serve, inserts on the generation thread (median ms over {len(rows)}): ", end="")
         print(" ".join(f"{k[:-3]}={np.median([r[k] for r in rows if k in r]):.1f}" for k in keys))
     print(f"replies equal (mlx_lm.server vs promptstore serve): {payload['replies_equal']}")
-    for k, v in payload["goals"].items():
-        print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
+    g = payload["goals"]
+    others = [v for k, v in g["ttft_p50_ratio_per_round"].items() if not k.startswith("resume")]
+    print("\nTTFT p50, promptstore serve over mlx_lm.server:")
+    print_goals(
+        [
+            ("first round after the restart", g["after_restart_ttft_p50_ratio"], "<= 0.4"),
+            ("slowest other round, or the first request", max([g["first_request_ttft_ratio"], *others]), "<= 1.0"),
+            ("before the restart", g["before_restart_ttft_p50_ratio"], "none"),
+            ("before the restart, requests/s over theirs", g["before_restart_throughput_ratio"], "none"),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -233,6 +233,15 @@ def evict_files(files: list[Path]) -> None:
             os.close(fd)
 
 
+def print_goals(rows: list[tuple[str, float | None, str]]) -> None:
+    """Figures beside their goals, a row each: (what, figure or None, goal such as "<= 0.35")."""
+    width = max([len("what"), *(len(r[0]) for r in rows)])
+    print(f"  {'what':{width}}  {'figure':>9}  goal")
+    for what, figure, goal in rows:
+        shown = "-" if figure is None else f"{figure:.3f}"
+        print(f"  {what:{width}}  {shown:>9}  {goal}")
+
+
 def write_results(path: str | Path, payload: dict, blas: dict) -> Path:
     """Write `payload` as JSON with the date, machine and BLAS added; relative
     paths are taken from the repository root."""
