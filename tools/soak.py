@@ -90,6 +90,16 @@ class Budget:
         return self.done < self.count
 
 
+def print_tallies(result: dict) -> None:
+    """A damage section's escapes, compact's errors (where it ran compact alone) and cases by damage."""
+    for k, v in result["escapes"].items():
+        print(f"    escaped ({v} times): {k}")
+    for k, v in result.get("compact_errors", {}).items():
+        print(f"    compact ({v} times): {k}")
+    for k, v in result["by_damage"].items():
+        print(f"    {k:32s} {v}")
+
+
 def signature(e: BaseException) -> str:
     """Exception type plus the innermost promptstore frame: groups equal failures."""
     frames = [f for f in traceback.extract_tb(e.__traceback__) if "promptstore" in f.filename]
@@ -389,12 +399,7 @@ def fuzz(args, work: Path) -> dict:
         f"{result['seconds']} s)",
         flush=True,
     )
-    for k, v in result["escapes"].items():
-        print(f"    escaped ({v} times): {k}")
-    for k, v in result["compact_errors"].items():
-        print(f"    compact ({v} times): {k}")
-    for k, v in result["by_damage"].items():
-        print(f"    {k:32s} {v}")
+    print_tallies(result)
     return result
 
 
@@ -618,10 +623,7 @@ def index_damage(args, work: Path) -> dict:
         f"({result['seconds']} s)",
         flush=True,
     )
-    for k, v in result["escapes"].items():
-        print(f"    escaped ({v} times): {k}")
-    for k, v in result["by_damage"].items():
-        print(f"    {k:32s} {v}")
+    print_tallies(result)
     return result
 
 

@@ -76,7 +76,7 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO_ROOT, blas_info, blas_warning, timed, write_results  # noqa: E402
+from common import REPO_ROOT, blas_info, blas_warning, gpu_name, timed, write_results  # noqa: E402
 from gpu_docs import sections as gpu_sections  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import cache as mlc  # noqa: E402
@@ -1427,22 +1427,6 @@ def save_split(out_path: Path, payload: dict, blas: dict) -> Path:
     if requests:
         path.with_suffix(".requests.json").write_text(json.dumps(requests, separators=(",", ":")) + "\n")
     return path
-
-
-def gpu_name() -> str | None:
-    """The GPU's name where MLX runs on one (nvidia-smi), else None."""
-    if mx.default_device() != mx.gpu:
-        return None
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        ).stdout.strip()
-        return out.splitlines()[0] if out else str(mx.device_info().get("device_name", "gpu"))
-    except (OSError, subprocess.SubprocessError):
-        return str(mx.device_info().get("device_name", "gpu"))
 
 
 def sanitize_blas(info: dict) -> dict:

@@ -40,7 +40,16 @@ import numpy as np
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import blas_info, blas_warning, summarize, write_results  # noqa: E402
+from common import (  # noqa: E402
+    blas_info,
+    blas_warning,
+    describe_device,
+    drop_page_cache,
+    evict_files,
+    print_goals,
+    summarize,
+    write_results,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from mlx_lm.models.cache import save_prompt_cache  # noqa: E402
@@ -143,20 +152,14 @@ def request(model, tokens, step, space=None) -> dict:
     return out
 
 
-def drop_page_cache(root: Path, how: str) -> int:
+def evict_store(root: Path, how: str) -> int:
     """Evict the store's files from the page cache; returns the bytes still resident."""
     files = [p for p in root.rglob("*.safetensors") if p.is_file()]
     if how == "drop_caches":
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        if not drop_page_cache():
+            raise SystemExit("--drop drop_caches: the page cache was not dropped")
     else:
-        for path in files:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        evict_files(files)
     return sum(resident_bytes(p) or 0 for p in files)
 
 
@@ -228,7 +231,7 @@ def sweep(root: Path, model, tokens: list[int], p: Profile, drop: str, kv_bytes:
 
     def before(name: str) -> None:
         if name.endswith("/dropped"):
-            resident.setdefault(name, []).append(drop_page_cache(root / "cold", drop))
+            resident.setdefault(name, []).append(evict_store(root / "cold", drop))
         elif "/" in name:
             warm_page_cache(root / "cold")
 
@@ -318,7 +321,7 @@ def restore_alone(root: Path, model, tokens, p: Profile, kv_bytes: int, tmp: Pat
     timed = alternate(paths, max(3, p.runs) if kv_bytes >= 1 << 30 else max(15, p.runs))
     dropped = []
     for _ in range(2):
-        drop_page_cache(root / "cold", drop)
+        evict_store(root / "cold", drop)
         dropped.append(_time(fetch)[0])
     store.close()
     wall = {k: [w for w, _ in v] for k, v in timed.items()}
@@ -518,9 +521,9 @@ def host_limits(root: Path, drop: str) -> dict:
     warm_page_cache(root)
     warm = dd_rate(big)
     threads_warm = parallel_read_rate(files)
-    drop_page_cache(root, drop)
+    evict_store(root, drop)
     disk = dd_rate(big)
-    drop_page_cache(root, drop)
+    evict_store(root, drop)
     threads_disk = parallel_read_rate(files)
     return {
         "dd_page_cache_gbps": warm,
@@ -626,23 +629,6 @@ def cells_of(n: int, rows: dict) -> list[dict]:
     return out
 
 
-def describe_device() -> str:
-    if mx.default_device() == mx.gpu:
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-            ).stdout.strip()
-            if out:
-                return f"GPU: {out.splitlines()[0]}"
-        except (OSError, subprocess.SubprocessError):
-            pass
-        return f"GPU: {mx.device_info().get('device_name', 'unknown')}"
-    return f"CPU: {os.cpu_count()} cores ({mx.default_device()})"
-
-
 def report(p, dev, drop, per_prefix, cells, restore, write, limits) -> dict:
     n = max(p.prefixes)
     rows = per_prefix[n]["rows"]
@@ -730,8 +716,7 @@ def print_summary(d: dict) -> None:
     print("host:", {k: round(v, 2) if isinstance(v, float) else v for k, v in (d["host_limits"] or {}).items()})
     for name, row in d["writes"]["rows"].items():
         print(f"{name:40} {row['median_s'] * 1e3:9.1f} ms {row['gbps']:6.2f} GB/s")
-    for g in d["goals"]:
-        print(f"  {'met   ' if g['met'] else 'MISSED'} {g['goal']}: {g['value']:.3f} (limit {g['limit']})")
+    print_goals([(g["goal"], g["value"], f"<= {g['limit']}") for g in d["goals"]])
     print(f"first token equal on every path of each prefix: {d['first_token_equal_everywhere']}")
 
 

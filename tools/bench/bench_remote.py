@@ -29,7 +29,7 @@ import numpy as np
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import blas_info, blas_warning, summarize, write_results  # noqa: E402
+from common import blas_info, blas_warning, print_goals, summarize, write_results  # noqa: E402
 
 from promptstore import PromptStore  # noqa: E402
 from promptstore.caches import make_prompt_cache  # noqa: E402
@@ -558,10 +558,12 @@ def report_fetch(f: dict) -> None:
             f"{row['fetch_time']['median_s'] * 1e3:.1f} ms, {row.get('remote_fetched_values', 0)} values / "
             f"{row.get('remote_fetched_bytes', 0) / 1e6:.1f} MB fetched"
         )
-    for name, g in f["goals"].items():
-        verdict = "n/a" if g["met"] is None else ("met" if g["met"] else "NOT met")
-        value = "-" if g["value"] is None else f"{g['value']:.2f}"
-        print(f"    goal {name} {'>=' if name.startswith('throughput') else '<='} {g['goal']}: {value} ({verdict})")
+    print_goals(
+        [
+            (name, g["value"], f"{'>=' if name.startswith('throughput') else '<='} {g['goal']}")
+            for name, g in f["goals"].items()
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,15 @@ from pathlib import Path
 import httpx
 import mlx.core as mx
 import numpy as np
-from common import OPENBLAS_HINT, blas_info, blas_warning, write_results
+from common import (
+    OPENBLAS_HINT,
+    blas_info,
+    blas_warning,
+    describe_device,
+    drop_page_cache,
+    print_goals,
+    write_results,
+)
 from openai import OpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -534,34 +542,6 @@ def kernel_cache() -> set[str]:
     return {f.name for folder in folders if folder.is_dir() for f in folder.iterdir() if f.suffix == ".ptx"}
 
 
-def drop_page_cache() -> bool:
-    """Empty the machine's page cache (root); False where that is not allowed."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError as e:
-        print(f"page cache not dropped: {e}", file=sys.stderr)
-        return False
-
-
-def describe_device() -> str:
-    if mx.default_device() == mx.gpu:
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-            ).stdout.strip()
-            if out:
-                return f"GPU: {out.splitlines()[0]}"
-        except (OSError, subprocess.SubprocessError):
-            pass
-        return f"GPU: {mx.device_info().get('device_name', 'unknown')}"
-    return f"CPU: {os.cpu_count()} cores ({mx.default_device()})"
-
-
 TIMELINE = re.compile(
     r"request \((?P<tenant>[^)]*)\): prompt (?P<prompt>\d+) tokens, restored (?P<restored>\d+)"
     r"(?: \((?P<disk>\d+) from disk, (?P<plan>\w+)\))?.*?; (?P<phases>.*)$"
@@ -700,8 +680,17 @@ def print_table(report: dict, payload: dict) -> None:
         print(f"promptstore serve, inserts on the generation thread (median ms over {len(rows)}): ", end="")
         print(" ".join(f"{k[:-3]}={np.median([r[k] for r in rows if k in r]):.1f}" for k in keys))
     print(f"replies equal (mlx_lm.server vs promptstore serve): {payload['replies_equal']}")
-    for k, v in payload["goals"].items():
-        print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
+    g = payload["goals"]
+    others = [v for k, v in g["ttft_p50_ratio_per_round"].items() if not k.startswith("resume")]
+    print("\nTTFT p50, promptstore serve over mlx_lm.server:")
+    print_goals(
+        [
+            ("first round after the restart", g["after_restart_ttft_p50_ratio"], "<= 0.4"),
+            ("slowest other round, or the first request", max([g["first_request_ttft_ratio"], *others]), "<= 1.0"),
+            ("before the restart", g["before_restart_ttft_p50_ratio"], "none"),
+            ("before the restart, requests/s over theirs", g["before_restart_throughput_ratio"], "none"),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Shared helpers for promptstore's benchmarks: timing, BLAS detection, JSON output.
+"""Shared helpers for promptstore's benchmarks: timing, BLAS detection, the device
+and the page cache, JSON output.
 
 Import from a script in tools/bench/ with `from common import ...` (the script's
 directory is on sys.path when it is run as a file).
@@ -11,6 +12,8 @@ import importlib.metadata as _md
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -177,6 +180,66 @@ def machine_info() -> dict:
         "mlx_device": str(mx.default_device()),
         "mlx_cache_limit_bytes": cache_limit(),
     }
+
+
+def nvidia_smi_gpu() -> str | None:
+    """The first GPU's "name, memory" as nvidia-smi says them; None without one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0] if out else None
+
+
+def gpu_name() -> str | None:
+    """The GPU's name where MLX runs on one (nvidia-smi, else MLX's name), else None."""
+    if mx.default_device() != mx.gpu:
+        return None
+    return nvidia_smi_gpu() or str(mx.device_info().get("device_name", "gpu"))
+
+
+def describe_device() -> str:
+    """Where MLX runs, in words: "GPU: <name, memory>" or "CPU: <n> cores (<device>)"."""
+    if mx.default_device() == mx.gpu:
+        return f"GPU: {nvidia_smi_gpu() or mx.device_info().get('device_name', 'unknown')}"
+    return f"CPU: {os.cpu_count()} cores ({mx.default_device()})"
+
+
+def drop_page_cache() -> bool:
+    """Empty the whole machine's page cache (root); False, said on stderr, where
+    that is not allowed."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError as e:
+        print(f"page cache not dropped: {e}", file=sys.stderr)
+        return False
+
+
+def evict_files(files: list[Path]) -> None:
+    """Write these files back and evict their pages alone (no root needed)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def print_goals(rows: list[tuple[str, float | None, str]]) -> None:
+    """Figures beside their goals, a row each: (what, figure or None, goal such as "<= 0.35")."""
+    width = max([len("what"), *(len(r[0]) for r in rows)])
+    print(f"  {'what':{width}}  {'figure':>9}  goal")
+    for what, figure, goal in rows:
+        shown = "-" if figure is None else f"{figure:.3f}"
+        print(f"  {what:{width}}  {shown:>9}  {goal}")
 
 
 def write_results(path: str | Path, payload: dict, blas: dict) -> Path:

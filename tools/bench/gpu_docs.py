@@ -15,129 +15,153 @@ COLD_RUNS = (
         "cold-cuda-h200.json",
         "an H200; seven runs a cell at 2k and 8k, the page cache's warm paths run before the dropped ones",
     ),
-    ("cold-cuda-runs15.json", "the same code on that H200, fifteen runs a cell at 2k and 8k (`--short-runs 15`)"),
     (
-        "cold-cuda-rotating-order.json",
+        "archive/2026-11/cold-cuda-runs15.json",
+        "the same code on that H200, fifteen runs a cell at 2k and 8k (`--short-runs 15`)",
+    ),
+    (
+        "archive/2026-11/cold-cuda-rotating-order.json",
         "that H200, the bench's earlier order: auto's warm runs always right after split's drop of the page cache",
     ),
-    ("cold-cuda-32k.json", "that H200, the 32k prefix alone (`--prefixes 32768`)"),
-    ("cold-cuda-short-2.json", "that H200, the 2k and 8k prefixes only, 15 runs a cell"),
-    ("cold-cuda-run3.json", "third run, a third H100 machine"),
+    ("archive/2026-11/cold-cuda-32k.json", "that H200, the 32k prefix alone (`--prefixes 32768`)"),
+    ("archive/2026-11/cold-cuda-short-2.json", "that H200, the 2k and 8k prefixes only, 15 runs a cell"),
+    ("archive/2026-11/cold-cuda-run3.json", "third run, a third H100 machine"),
     (
-        "cold-cuda-short.json",
+        "archive/2026-11/cold-cuda-short.json",
         "an H200, the 2k and 8k prefixes only, 15 runs a cell; a restore from one file hands its arrays over uncopied",
     ),
-    ("cold-cuda-run2.json", "second run, a second H100 machine"),
-    ("cold-cuda-run1.json", "first run"),
+    ("archive/2026-11/cold-cuda-run2.json", "second run, a second H100 machine"),
+    ("archive/2026-11/cold-cuda-run1.json", "first run"),
 )
 SERVE_RUNS = (
     ("serve-cuda.json", "an H100; the code at 5078ef6, the first of three runs in a row in one machine session"),
-    ("serve-cuda-2.json", "the same code, the second run of that machine session"),
-    ("serve-cuda-3.json", "the same code, the third run of that machine session"),
+    ("archive/2026-11/serve-cuda-2.json", "the same code, the second run of that machine session"),
+    ("archive/2026-11/serve-cuda-3.json", "the same code, the third run of that machine session"),
     (
-        "serve-cuda-idle-stores.json",
+        "archive/2026-11/serve-cuda-idle-stores.json",
         "an H100; the idle generation thread also stores waiting replies while a burst's requests are still "
         "being checked (it only waited for them before)",
     ),
-    ("serve-cuda-idle-stores-2.json", "the same code, a second run, in the same machine call after it"),
+    ("archive/2026-11/serve-cuda-idle-stores-2.json", "the same code, a second run, in the same machine call after it"),
     (
-        "serve-cuda-idle-stores-3.json",
+        "archive/2026-11/serve-cuda-idle-stores-3.json",
         "the same code, a third run, on a second H100 session, right after serve-cuda-before-idle-stores-2.json",
     ),
     (
-        "serve-cuda-before-idle-stores.json",
+        "archive/2026-11/serve-cuda-before-idle-stores.json",
         "that H100, later in the same machine session: the code before (the generation thread waits for "
         "requests being checked)",
     ),
     (
-        "serve-cuda-before-idle-stores-2.json",
+        "archive/2026-11/serve-cuda-before-idle-stores-2.json",
         "the code before, a second run, on the second H100 session, just before serve-cuda-idle-stores-3.json",
     ),
     (
-        "serve-cuda-batched-replies.json",
+        "archive/2026-11/serve-cuda-batched-replies.json",
         "an H200; a burst's waiting replies prefilled as one batch through mlx-lm's prompt batch (reverted: "
         "no cheaper than one by one, tools/bench/probe_reply_batch.py)",
     ),
-    ("serve-cuda-batched-replies-2.json", "the same (reverted) code, a second run, in the same call after it"),
+    (
+        "archive/2026-11/serve-cuda-batched-replies-2.json",
+        "the same (reverted) code, a second run, in the same call after it",
+    ),
     (
         "serve-cuda-reply-first.json",
         "an H200; a chat's next turn stores its previous reply before its fetch (`--reply-before-fetch`, the "
         "default since), and at most one part of each request's prompt waits",
     ),
-    ("serve-cuda-reply-first-2.json", "the same code (the default), a second run, on a freshly started H200"),
-    ("serve-cuda-reply-first-3.json", "the same code (the default), a third run, on a freshly started H200"),
     (
-        "serve-cuda-batch-prefills-reply.json",
+        "archive/2026-11/serve-cuda-reply-first-2.json",
+        "the same code (the default), a second run, on a freshly started H200",
+    ),
+    (
+        "archive/2026-11/serve-cuda-reply-first-3.json",
+        "the same code (the default), a third run, on a freshly started H200",
+    ),
+    (
+        "archive/2026-11/serve-cuda-batch-prefills-reply.json",
         "the H200 of serve-cuda-reply-first.json, in the same call before it: the batch prefills a reply not yet "
         "stored (the GPU's default then, `--no-reply-before-fetch` since)",
     ),
     (
-        "serve-cuda-batch-prefills-reply-2.json",
+        "archive/2026-11/serve-cuda-batch-prefills-reply-2.json",
         "`--no-reply-before-fetch`, the H200 of serve-cuda-reply-first-2.json, in the same call after it",
     ),
     (
-        "serve-cuda-give-way.json",
+        "archive/2026-11/serve-cuda-give-way.json",
         "an H200; spills give way while requests wait for their first tokens, a prompt's parts stored once "
         "the first tokens are out, a finished request's insert when the generation thread has nothing to serve",
     ),
-    ("serve-cuda-give-way-2.json", "the same code, a second run on an H200"),
+    ("archive/2026-11/serve-cuda-give-way-2.json", "the same code, a second run on an H200"),
     (
-        "serve-cuda-background.json",
+        "archive/2026-11/serve-cuda-background.json",
         "an H200; a finished request's insert when the generation thread has nothing to serve (spills not "
         "giving way, a prompt's parts stored before the next step)",
     ),
-    ("serve-cuda-background-2.json", "the same code, with queued and arriving requests also going first"),
-    ("serve-cuda-background-3.json", "the same code, a third run on an H200"),
     (
-        "serve-cuda-prompt-deferred.json",
+        "archive/2026-11/serve-cuda-background-2.json",
+        "the same code, with queued and arriving requests also going first",
+    ),
+    ("archive/2026-11/serve-cuda-background-3.json", "the same code, a third run on an H200"),
+    (
+        "archive/2026-11/serve-cuda-prompt-deferred.json",
         "an H200; files no record names removed off the generation thread, a prompt's parts stored after its "
         "first token",
     ),
-    ("serve-cuda-prompt-deferred-2.json", "the same code, a second run on an H200"),
-    ("serve-cuda-prompt-deferred-3.json", "the same code, a third run on an H200"),
-    ("serve-cuda-phases.json", "an H200; each insert's phases timed, before the removals left the generation thread"),
-    ("serve-cuda-removals.json", "an H200; files no record names removed on a thread of their own"),
-    ("serve-cuda-removals-2.json", "the same code, a second run on an H200"),
-    ("serve-cuda-gradual.json", "an H200; those files removed in 8 MB steps (not kept)"),
-    ("serve-cuda-deferred.json", "an H200; every insert after the step's tokens, replies included (not kept)"),
+    ("archive/2026-11/serve-cuda-prompt-deferred-2.json", "the same code, a second run on an H200"),
+    ("archive/2026-11/serve-cuda-prompt-deferred-3.json", "the same code, a third run on an H200"),
     (
-        "serve-cuda-generated-replies.json",
+        "archive/2026-11/serve-cuda-phases.json",
+        "an H200; each insert's phases timed, before the removals left the generation thread",
+    ),
+    ("archive/2026-11/serve-cuda-removals.json", "an H200; files no record names removed on a thread of their own"),
+    ("archive/2026-11/serve-cuda-removals-2.json", "the same code, a second run on an H200"),
+    ("archive/2026-11/serve-cuda-gradual.json", "an H200; those files removed in 8 MB steps (not kept)"),
+    (
+        "archive/2026-11/serve-cuda-deferred.json",
+        "an H200; every insert after the step's tokens, replies included (not kept)",
+    ),
+    (
+        "archive/2026-11/serve-cuda-generated-replies.json",
         "an H200; `--reply-tokens generated`: what the rendered reply's prefill costs the steady rounds",
     ),
     (
-        "serve-cuda-bounded-writeback.json",
+        "archive/2026-11/serve-cuda-bounded-writeback.json",
         "an H200; a hit's figures kept without its cache, spills keeping two 32 MB stretches queued at the disk",
     ),
-    ("serve-cuda-bounded-writeback-2.json", "the same code, a second run on that H200"),
-    ("serve-cuda-bounded-writeback-3.json", "the same code, a third run on that H200"),
-    ("serve-cuda-last-hit.json", "that H200, a hit's figures kept without its cache (before the bounded writeback)"),
+    ("archive/2026-11/serve-cuda-bounded-writeback-2.json", "the same code, a second run on that H200"),
+    ("archive/2026-11/serve-cuda-bounded-writeback-3.json", "the same code, a third run on that H200"),
     (
-        "serve-cuda-stats-thread.json",
+        "archive/2026-11/serve-cuda-last-hit.json",
+        "that H200, a hit's figures kept without its cache (before the bounded writeback)",
+    ),
+    (
+        "archive/2026-11/serve-cuda-stats-thread.json",
         "an H200; staged spills, and the advisory counters written on a stats thread, off the request path",
     ),
-    ("serve-cuda-stats-thread-2.json", "the same code, a second run on that H200"),
+    ("archive/2026-11/serve-cuda-stats-thread-2.json", "the same code, a second run on that H200"),
     (
-        "serve-cuda-write-back.json",
+        "archive/2026-11/serve-cuda-write-back.json",
         "staged spills with `--durability write_back` (nothing spilled before the restart), that H200",
     ),
     (
-        "serve-cuda-staged.json",
+        "archive/2026-11/serve-cuda-staged.json",
         "an H200; spills copied to the host by the GPU's copy engine into pinned buffers; restores uncopied",
     ),
-    ("serve-cuda-staged-2.json", "the same code, a second run on that H200"),
-    ("serve-cuda-staged-3.json", "the same code, a third run on that H200"),
+    ("archive/2026-11/serve-cuda-staged-2.json", "the same code, a second run on that H200"),
+    ("archive/2026-11/serve-cuda-staged-3.json", "the same code, a third run on that H200"),
     (
-        "serve-cuda-h200-spill-copies.json",
+        "archive/2026-11/serve-cuda-h200-spill-copies.json",
         "an H200; requests arriving together prefill together; spill copies leave MLX's buffer cache",
     ),
-    ("serve-cuda-h200-spill-copies-2.json", "the same code, a second run on that H200"),
-    ("serve-cuda-h200-arrivals.json", "that H200, before spill copies left MLX's buffer cache"),
+    ("archive/2026-11/serve-cuda-h200-spill-copies-2.json", "the same code, a second run on that H200"),
+    ("archive/2026-11/serve-cuda-h200-arrivals.json", "that H200, before spill copies left MLX's buffer cache"),
     (
-        "serve-cuda-h100.json",
+        "archive/2026-11/serve-cuda-h100.json",
         "an H100, promptstore serve on MLX's own attention kernels, before arrivals were gathered",
     ),
-    ("serve-cuda-cudnn.json", "an H100, both servers on cuDNN's attention kernels, MLX's default"),
-    ("serve-cuda-nocudnn.json", "an H100, both servers on MLX's own attention kernels"),
+    ("archive/2026-11/serve-cuda-cudnn.json", "an H100, both servers on cuDNN's attention kernels, MLX's default"),
+    ("archive/2026-11/serve-cuda-nocudnn.json", "an H100, both servers on MLX's own attention kernels"),
 )
 
 

@@ -19,7 +19,7 @@ MODE keep: batches as in `batch` (kernels warmed by a first one), alternating ml
 Options of batch: --warm-prefix N (the server's kernel warm-up first, with N-token prefixes),
 --digest (the weights digest the server makes without --model-id), --clear (mx.clear_cache() after it).
 Llama-3.1-8B's shape with random bfloat16 weights; PROBE_SMALL=1 makes it 2 small layers (a smoke run).
-Figures from it are in bench-results/probe-*.log; it times, it asserts nothing.
+Figures from it are in bench-results/archive/2026-11/probe-*.log; it times, it asserts nothing.
 """
 
 import json
@@ -177,7 +177,7 @@ def prefill_mode():
 def staged_hashes(arrays: dict) -> dict:
     """--staged: each array's xxh3-128 from the chunks ColdTier.write stages
     (device.staged_sources: the copy engine into two pinned host buffers, no copy
-    on the device, no page moved). bench-results/probe-spill-staged.log was made
+    on the device, no page moved). bench-results/archive/2026-11/probe-spill-staged.log was made
     by this probe's first version, which built its own address kernel for each
     input dtype (the 1.3 s of its first staged run)."""
     import xxhash

@@ -28,9 +28,11 @@ from mlx_lm.generate import PromptProcessingBatch, _merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from common import describe_device  # noqa: E402
+
 from promptstore.generation import prefill  # noqa: E402
 from promptstore.testing.models import tiny_model  # noqa: E402
-from tools.bench.bench_serve import PROFILES, VOCAB, describe_device  # noqa: E402
+from tools.bench.bench_serve import PROFILES, VOCAB  # noqa: E402
 
 
 def timed(fn) -> float:
