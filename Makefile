@@ -93,7 +93,7 @@ bench-anchors: setup
 # Longer fault, corruption and concurrency runs; prints figures, writes bench-results/soak.json.
 soak: setup
 	$(BIN)/python tools/soak.py
-	$(BIN)/python -m pytest -q -m slow tests/reliability tests/store
+	$(BIN)/python -m pytest -q -m slow tests/reliability tests/store tests/serve/test_shutdown.py
 
 soak-quick: setup
 	$(BIN)/python tools/soak.py --quick
