@@ -1,7 +1,8 @@
 """The public store: PromptStore, a Space per model namespace, and its Hits."""
 
 from ..errors import StoreDirectoryError
-from .space import Hit, Space
+from .hit import Hit
+from .space import Space
 from .store import PromptStore, default_path
 from .tiers import Report, Tiers
 

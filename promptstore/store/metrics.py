@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..index import NamespaceSpec
-    from .space import Hit
+    from .hit import Hit
 
 TIERS = ("hot", "cold", "remote")
 # Where a hit's tokens came from: a tier, or computed by the fetch itself (a cold

@@ -13,7 +13,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -38,9 +37,10 @@ from ..identity import NodeId
 from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, prefix_key
 from ..snapshots import device
 from ..snapshots.reader import ProcessPool
-from . import plan
+from .hit import Hit
 from .metrics import model_label
-from .plan import Choice
+from .plan import Rates, rates_of, save_rates
+from .restore import Restorer
 from .tokens import model_tokens, vocabulary_size
 
 log = logging.getLogger("promptstore.store")
@@ -54,49 +54,6 @@ if TYPE_CHECKING:
 ESTIMATED_SECONDS_PER_TOKEN = 1e-3
 # A remote lookup costs round trips: not worth them for fewer new tokens than this.
 MIN_REMOTE_GAIN = 16
-
-
-@dataclass
-class Hit:
-    """What fetch found.
-
-    length: prompt tokens restored (at most len(tokens) - 1, so the caller
-        always computes the last position's logits).
-    cache: per-layer caches at offset `length`, usable as mlx-lm's prompt_cache.
-    checkpoints: positions p > length where the caller, while prefilling,
-        should call `space.insert(tokens[:p], cache)`.
-    remote_tokens: of `length`, tokens restored from the remote tier (0: none).
-    computed: of `length`, tokens fetch prefilled itself while it read the rest
-        from disk (a split cold hit; see plan.py).
-    plan: how a hit with nodes on disk was served (load, recompute, split), None
-        when every node was in memory.
-    nbytes: bytes of the stored nodes the hit restored from (fetched, for a
-        remote hit).
-    matched: prompt tokens the store holds (at most len(tokens) - 1): what a
-        model of attention layers only would restore; a model with window or
-        recurrent layers restores at or before it.
-    """
-
-    length: int
-    cache: list
-    checkpoints: tuple[int, ...] = ()
-    nodes: int = 0
-    cold_nodes: int = 0
-    cold_tokens: int = 0
-    seconds: float = 0.0
-    remote_tokens: int = 0
-    matched: int = 0
-    computed: int = 0
-    plan: Choice | None = None
-    nbytes: int = 0
-
-    def figures(self) -> Hit:
-        """This hit without its cache: what a log line or a metric reads. Kept
-        in place of the hit, it holds no memory of the restore once the caller
-        lets its cache go (a kept cache held a restore's memory, gigabytes on
-        a GPU, until the next fetch, and made that fetch's restore allocate
-        afresh beside it)."""
-        return replace(self, cache=[])
 
 
 def layer_spec(cache: Any, dtype: str) -> LayerSpec:
@@ -192,6 +149,7 @@ class Space:
         self._signatures: list | None = None
         self.vocabulary = vocabulary_size(model)
         self.model_label = model_label(namespace.spec)  # what the store's metrics name its model
+        self.restorer = Restorer(tiers, settings, model, self.rates)
 
     @classmethod
     def bind(
@@ -253,7 +211,7 @@ class Space:
             self.tiers.report("record", key, "the index record failed its checksum; treated as missing")
         path = list(match.path[: match.restorable_depth + 1])
         target = match.restorable
-        restored = plan.restore_hit(self, cache, path, target, toks) if path else None
+        restored = self.restorer.restore_hit(cache, path, target, toks) if path else None
         length, used, cold = (restored.length, restored.used, restored.cold) if restored else (0, 0, ())
         computed = restored.computed if restored else 0
         nbytes = sum(_nbytes(n) for n in path[:used])
@@ -335,7 +293,7 @@ class Space:
             if touched or counts:
                 self.index.touch(touched)
                 self.index.bump(self.namespace, **counts)
-            plan.save_rates(self)
+            save_rates(self.index, self.namespace)
         except PromptStoreError as e:
             if not background:
                 raise
@@ -344,8 +302,11 @@ class Space:
     def record_prefill(self, start: int, end: int, seconds: float) -> None:
         """The model prefilled positions [start, end) in `seconds`, timed with its
         work evaluated: a sample of the rate cold hits are planned by."""
-        if end > start and seconds > 0:
-            plan.rates_of(self).add("prefill", int(start), int(end), float(seconds))
+        self.rates().prefilled(start, end, seconds)
+
+    def rates(self) -> Rates:
+        """What this namespace's prefills and cold reads have cost (plan.py)."""
+        return rates_of(self.index, self.namespace)
 
     @property
     def _restores_at_points(self) -> bool:
@@ -383,25 +344,6 @@ class Space:
         before = [n.end for n in path[:-1] if n.present & state == state and n.end % self._step]
         return {"checkpoint_hits": 1, "checkpoint_tokens": length - max(before, default=0)}
 
-    def restore_path(self, cache, path: list[Node], target: int, loaded=None):
-        """Restore `cache` to the deepest position <= target every layer reaches:
-        (that position, nodes used, nodes read from disk), or None.
-
-        loaded: what tiers.get_path(path) gave, when the caller read it already.
-        """
-        snaps, cold = loaded if loaded is not None else self.tiers.get_path(path)
-        path = path[: len(snaps)]
-        while path:
-            end = min(target, path[-1].end)
-            chains = C.restore_chains(snaps, path[-1].end, end)
-            if chains is not None and end > path[-1].start and self.restored(cache, chains, end, path[-1]):
-                if end == path[-1].end:
-                    self.tiers.restored_from(path[-1].key)  # its state was worth keeping
-                return end, len(path), cold
-            path, snaps = path[:-1], snaps[:-1]
-            target = path[-1].end if path else 0
-        return None
-
     def _fetch_remote(self, toks: np.ndarray, length: int, path: list[Node]):
         """A longer prefix than `length` from the remote tier: (its length, a cache
         restored to it, the bytes fetched, the tokens of fetched nodes), also stored
@@ -428,7 +370,9 @@ class Space:
             chains = C.restore_chains(snaps, links[-1].end)
             if chains is not None and end > max(length, links[-1].start):
                 cache = self.new_cache()
-                if self.restored(cache, chains, end, None) and self._keep_remote(toks[:end], cache, got, length):
+                if self.restorer.restored(cache, chains, end, None) and self._keep_remote(
+                    toks[:end], cache, got, length
+                ):
                     self.tiers.counts["remote_tokens"] += end
                     fetched = sum(
                         min(link.end, end) - link.start for link, f in zip(links, got.fetched) if f and link.start < end
@@ -457,15 +401,6 @@ class Space:
             self.tiers.report("remote_layout", toks[:8].tobytes(), f"a remote hit does not fit this model: {e}")
             return False
         return True
-
-    def restored(self, cache, chains, end: int, last: Node | None) -> bool:
-        """restore_prompt_cache, with stored snapshots that do not fit (a file of
-        another layout that passed its own checks) reported as a miss."""
-        try:
-            return C.restore_prompt_cache(cache, chains, end)
-        except CacheError as e:
-            self.tiers.report("layout", last.key if last else b"", f"stored snapshots do not fit this namespace: {e}")
-            return False
 
     # --- insert -----------------------------------------------------------------------
 
