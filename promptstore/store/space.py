@@ -23,7 +23,7 @@ from .. import caches as C
 from ..caches.base import as_position
 from ..errors import CorruptRecordError, PromptStoreError, SettingsError, SnapshotRangeError
 from ..index import Index, Namespace, NamespaceSpec, Node, prefix_key
-from ..snapshots.reader import ProcessPool
+from ..snapshots.pool import ProcessPool
 from .hit import Hit
 from .insert import Inserter
 from .metrics import model_label
