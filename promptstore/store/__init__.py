@@ -2,8 +2,9 @@
 
 from ..errors import StoreDirectoryError
 from .hit import Hit
+from .metrics import Report
 from .space import Space
 from .store import PromptStore, default_path
-from .tiers import Report, Tiers
+from .tiers import Tiers
 
 __all__ = ["Hit", "PromptStore", "Report", "Space", "StoreDirectoryError", "Tiers", "default_path"]
