@@ -1,4 +1,8 @@
-"""The module map in docs/architecture.md is true of the code, and imports point one way."""
+"""The module map in docs/architecture.md is true of the code, and imports point one way.
+
+Every import counts: at module level, inside functions, and under TYPE_CHECKING
+(a type named across a circle ties the two modules as surely as a call does).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "promptstore"
 MAP = ROOT / "docs" / "architecture.md"
 
-# What each part of the package may import from promptstore (besides itself).
-# Leaf modules (errors, identity, config) import nothing above them.
+# What each part of the package may import from promptstore (besides itself), bottom-up:
+# caches, index -> snapshots -> store -> generation, console -> serve/, demo,
+# compact_cli -> cli. Leaf modules (errors, identity, config) import nothing above them.
 LAYERS = {
     "errors": set(),
     "identity": set(),
@@ -21,6 +26,15 @@ LAYERS = {
     "snapshots": {"caches", "errors", "identity"},
     "store": {"caches", "index", "snapshots", "errors", "identity", "config"},
     "generation": {"caches", "store", "errors", "config"},
+    "console": {"store", "errors", "config"},
+    "testing": {"caches", "errors", "identity", "config"},
+    "serve": {"generation", "console", "store", "snapshots", "index", "caches", "errors", "identity", "config"},
+    "demo": {"generation", "console", "store", "caches", "testing", "errors", "config"},
+    "compact_cli": {"console", "store", "errors", "config"},
+    "cli": {"serve", "demo", "compact_cli", "generation", "console", "store", "snapshots", "index", "caches"}
+    | {"errors", "identity", "config"},
+    "__main__": {"cli"},
+    "__init__": set(),  # the public names load lazily, by the name of their part
 }
 
 
@@ -70,9 +84,86 @@ def test_imports_point_one_way():
     wrong = []
     for path in sorted(PACKAGE.rglob("*.py")):
         part = _part(path)
-        if part not in LAYERS:
-            continue  # the CLI, demo, serve and testing may use anything
+        assert part in LAYERS, f"{path.relative_to(ROOT)}: part {part!r} has no row in LAYERS"
         extra = _imported_parts(path) - LAYERS[part] - {part}
         if extra:
             wrong.append(f"{path.relative_to(ROOT)} imports {sorted(extra)}")
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the modules of the package it imports (a name
+    imported from a package counts as its module where it is one)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    bits = package.split(".")
+                    base = ".".join(bits[: len(bits) - node.level + 1] + ([node.module] if node.module else []))
+                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iteratively)."""
+    order, low, on_stack, stack, circles = {}, {}, set(), [], []
+    for root in graph:
+        if root in order:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        order[root] = low[root] = len(order)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is not None:
+                if step not in order:
+                    order[step] = low[step] = len(order)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(graph[step]))))
+                elif step in on_stack:
+                    low[node] = min(low[node], order[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == order[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
+
+
+def test_no_import_circles():
+    graph = _module_graph()
+    assert graph["promptstore.store.space"], "the graph found no imports: the test reads nothing"
+    circles = _circles(graph)
+    assert not circles, "modules that import each other, directly or around a circle:\n" + "\n".join(
+        " <-> ".join(c) for c in circles
+    )
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []

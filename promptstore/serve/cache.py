@@ -21,7 +21,7 @@ from .. import caches as C
 from ..errors import PromptStoreError
 from ..generation import prefill
 from ..store import Hit, PromptStore, Space
-from ..store.space import weights_digest
+from ..store.model import weights_digest
 from .replies import ChatTurn, common_prefix, rendered_turn
 from .tenants import PUBLIC, InFlight, InFlightRequest, Tenant, TrackedPrompt
 

@@ -34,6 +34,7 @@ from ..caches.serialize import METADATA_KEY, READABLE_VERSIONS, parse_record
 from ..errors import CacheError, ColdFileError, DiskWriteError
 from ..identity import NodeId
 from . import device, reader
+from .pool import ProcessPool
 from .safetensors_header import header_of_bytes, header_of_fd, open_regular
 from .safetensors_writer import write_safetensors
 
@@ -71,7 +72,7 @@ class FileRef:
 # a file is hashed on the calling thread, where the hand-off would cost more.
 PARALLEL_HASH_BYTES = 4 << 20
 HASH_THREADS = min(8, os.cpu_count() or 1)
-_hash_pool = reader.ProcessPool(HASH_THREADS, "promptstore-hash")
+_hash_pool = ProcessPool(HASH_THREADS, "promptstore-hash")
 
 
 def checksums(arrays: dict[str, mx.array], then: Callable[[list[mx.array]], object] | None = None) -> dict[str, str]:

@@ -33,13 +33,14 @@ import math
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 
 from . import device
+from .pool import ProcessPool
 from .safetensors_writer import DTYPE_NAMES
 
 log = logging.getLogger("promptstore.snapshots")
@@ -53,22 +54,6 @@ MLX_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # safetensors
 
 class ShortRead(OSError):
     """The file ended before an array's last byte (it shrank after its header was read)."""
-
-
-class ProcessPool:
-    """A pool of threads of this process, made at first use (a forked child
-    makes its own)."""
-
-    def __init__(self, workers: int, name: str):
-        self.workers, self.name = workers, name
-        self._pool: tuple[int, ThreadPoolExecutor] | None = None
-        self._lock = threading.Lock()
-
-    def __call__(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None or self._pool[0] != os.getpid():
-                self._pool = (os.getpid(), ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=self.name))
-            return self._pool[1]
 
 
 _read_pool = ProcessPool(THREADS, "promptstore-read")  # the reading threads

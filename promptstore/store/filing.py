@@ -25,7 +25,7 @@ from ..errors import ColdFileError, CorruptRecordError, NodeHasChildrenError, No
 from ..identity import NodeId
 from ..index import Index, InsertPlan, InsertResult, Namespace, Node, NodeRecord
 from ..snapshots import ColdTier, SpillJob
-from ..snapshots.reader import ProcessPool
+from ..snapshots.pool import ProcessPool
 
 log = logging.getLogger("promptstore.store")
 

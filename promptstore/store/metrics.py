@@ -1,19 +1,20 @@
 """What a store did since it opened, in this process: fetches by model and the
 tokens, bytes and seconds they restored by tier, evictions, files written, bytes
 published, quarantined files; plus its size against the budgets and the warm
-start's progress. Plain counters under one lock, counted where the work happens
+start's progress, and the Reports of misses an operator should know of. Plain counters under one lock, counted where the work happens
 (space.py's fetch, tiers.py); `PromptStore.metrics()` hands out a StoreMetrics."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..index import NamespaceSpec
-    from .space import Hit
+    from .hit import Hit
 
 TIERS = ("hot", "cold", "remote")
 # Where a hit's tokens came from: a tier, or computed by the fetch itself (a cold
@@ -38,6 +39,16 @@ def hit_tier(hit: Hit) -> str:
     if hit.remote_tokens:
         return "remote"
     return "cold" if hit.cold_nodes else "hot"
+
+
+@dataclass(frozen=True)
+class Report:
+    """Something a caller did not see as an error but an operator should know."""
+
+    reason: str
+    key: str
+    detail: str
+    at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)

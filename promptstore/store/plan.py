@@ -5,32 +5,21 @@ produced, so the model can prefill the first cold nodes while MLX's I/O threads
 read the others (Cake, "Compute Or Load KV Cache? Why Not Both?", arXiv
 2410.03065). The rates that choose are measured per namespace as the store
 runs, each with its work synchronised, and kept in the index, so a restart
-keeps them. A file's bytes in the page cache read at memory speed, the others
-at the disk's: the plan asks the kernel which are where (snapshots/page_cache.py).
+keeps them. This module only chooses: restore.py serves the choice, and says
+how much of each cold file the page cache holds (snapshots/page_cache.py).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-import mlx.core as mx
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from .. import caches as C
-from ..errors import CorruptRecordError
-from ..snapshots.page_cache import resident_bytes
-
-if TYPE_CHECKING:
-    from ..index import Node
-    from .space import Space
-
-log = logging.getLogger("promptstore.store")
+from ..index import Index, Namespace
 
 NOTE = "cold-rates"  # the index note the rates are kept under
 MAX_SAMPLES = 16  # samples kept of each kind, newest last
@@ -62,6 +51,20 @@ class Rates(BaseModel):
     def add(self, kind: str, *sample) -> None:
         if sample[-1] > 0:
             setattr(self, kind, [*getattr(self, kind), tuple(sample)][-MAX_SAMPLES:])
+
+    def prefilled(self, start: int, end: int, seconds: float) -> None:
+        """The model prefilled positions [start, end) in `seconds`, its work evaluated."""
+        if end > start and seconds > 0:
+            self.add("prefill", int(start), int(end), float(seconds))
+
+    def add_read(self, cold: list[ColdNode], seconds: float) -> None:
+        """`cold` was read and verified in `seconds`: a warm or a disk sample, when
+        most of its bytes were in the page cache or most were not."""
+        nbytes = sum(n.nbytes for n in cold)
+        if nbytes:
+            share = sum(n.resident for n in cold) / nbytes
+            if share >= WARM or share <= DISK:
+                self.add("warm" if share >= WARM else "disk", nbytes, seconds)
 
     def bytes_per_s(self, kind: str) -> float:
         """The median rate of the samples of `kind` (warm, disk, place), else a prior."""
@@ -206,12 +209,12 @@ _rates: dict[tuple[str, bytes], list[Rates]] = {}
 _rates_lock = threading.Lock()
 
 
-def rates_of(space: Space) -> Rates:
+def rates_of(index: Index, namespace: Namespace) -> Rates:
     """The namespace's rates, read from the index the first time."""
-    key = (str(space.index.path), space.namespace.key)
+    key = (str(index.path), namespace.key)
     with _rates_lock:
         if key not in _rates:
-            raw = space.index.note(space.namespace, NOTE)
+            raw = index.note(namespace, NOTE)
             try:
                 rates = Rates.model_validate_json(raw) if raw else Rates()
             except ValidationError:
@@ -220,124 +223,11 @@ def rates_of(space: Space) -> Rates:
         return _rates[key][0]
 
 
-def save_rates(space: Space) -> None:
+def save_rates(index: Index, namespace: Namespace) -> None:
     """Keep changed rates in the index (with the other advisory counters)."""
     with _rates_lock:
-        entry = _rates.get((str(space.index.path), space.namespace.key))
+        entry = _rates.get((str(index.path), namespace.key))
         if entry is None or entry[0] == entry[1]:
             return
         value, entry[1] = entry[0].model_dump_json().encode(), entry[0].model_copy(deep=True)
-    space.index.set_note(space.namespace, NOTE, value)
-
-
-# --- serving a hit by the plan ---------------------------------------------------------------
-
-
-@dataclass
-class Restored:
-    """What a fetch's restore reached: the hit's length, the nodes it used, the
-    nodes read from disk, the tokens the fetch prefilled itself, and the choice."""
-
-    length: int
-    used: int
-    cold: list
-    computed: int = 0
-    choice: Choice | None = None
-
-
-def restore_hit(space: Space, cache: list, path: list[Node], target: int, tokens: np.ndarray) -> Restored | None:
-    """Restore `cache` along `path` to at most `target`, loading, recomputing or
-    both as `choose` says; None is a miss."""
-    tiers = space.tiers
-    held = 0
-    while held < len(path) and tiers.is_held(path[held]):
-        held += 1
-    if held == len(path):
-        return _restored(space.restore_path(cache, path, target))
-    base = path[held - 1].end if held else 0
-    end = min(target, path[-1].end)
-    cold = [_cold_node(space, n, min(n.end, end)) for n in path[held:]]
-    choice = choose(rates_of(space), base, cold, space.settings.cold_plan)
-    log.debug("cold hit of %d nodes [%d, %d): %s", len(cold), base, end, choice)
-    if choice.mode == "recompute":
-        got = space.restore_path(cache, path[:held], base) if held else None
-        return _restored(got, choice) or Restored(0, 0, [], choice=choice)
-    if choice.mode == "split":
-        done = _split(space, cache, path, held, base, choice, tokens, end, cold)
-        if done is not None:
-            return done
-    return _load(space, cache, path, target, choice, cold)
-
-
-def _restored(got, choice: Choice | None = None) -> Restored | None:
-    return None if got is None else Restored(*got, choice=choice)
-
-
-def _cold_node(space: Space, node: Node, end: int) -> ColdNode:
-    try:
-        nbytes = 0 if space.tiers.is_held(node) else node.record.nbytes
-    except CorruptRecordError:
-        nbytes = 0  # the load reports it
-    path = space.tiers.file_of(node) if nbytes else None
-    resident = resident_bytes(path) if path is not None else 0
-    return ColdNode(node.start, end, nbytes, min(nbytes, resident if resident is not None else 0))
-
-
-def _load(space: Space, cache, path, target: int, choice: Choice, cold: list[ColdNode]) -> Restored | None:
-    rates = rates_of(space)
-    started = time.perf_counter()
-    loaded = space.tiers.finish_path(space.tiers.start_path(path))
-    read = time.perf_counter() - started
-    got = space.restore_path(cache, path, target, loaded)
-    if got is not None and got[2]:
-        mx.eval([c.state for c in cache])  # timed whole: MLX is lazy
-        _add_read(rates, cold, read)
-        rates.add("place", sum(n.nbytes for n in cold), time.perf_counter() - started - read)
-    return _restored(got, choice)
-
-
-def _add_read(rates: Rates, cold: list[ColdNode], seconds: float) -> None:
-    nbytes = sum(n.nbytes for n in cold)
-    if nbytes:
-        share = sum(n.resident for n in cold) / nbytes
-        if share >= WARM or share <= DISK:
-            rates.add("warm" if share >= WARM else "disk", nbytes, seconds)
-
-
-def _split(space: Space, cache, path, held: int, base: int, choice: Choice, tokens, end: int, cold):
-    """Prefill [base, choice.at) while the nodes from choice.at on are read."""
-    rates = rates_of(space)
-    started = time.perf_counter()
-    if held:
-        got = space.restore_path(cache, path[:held], base)
-        if got is None or got[0] != base:
-            return None  # the held part did not restore whole: load instead
-    first = next(i for i, n in enumerate(path) if n.start == choice.at)
-    loading = space.tiers.start_path(path[first:])  # MLX's I/O threads read while the model runs
-    computing = time.perf_counter()
-    prefill(space, cache, tokens, base, choice.at)
-    space.record_prefill(base, choice.at, time.perf_counter() - computing)
-    snaps, from_disk = space.tiers.finish_path(loading)
-    computed = choice.at - base
-    tail = path[first : first + len(snaps)]
-    length, used = choice.at, first
-    if tail:
-        target = min(end, tail[-1].end)
-        chains = C.restore_chains(snaps, tail[-1].end, target)
-        if chains is not None and space.restored(cache, chains, target, tail[-1]):
-            mx.eval([c.state for c in cache])
-            length, used = target, first + len(tail)
-            if target == tail[-1].end:
-                space.tiers.restored_from(tail[-1].key)
-    estimate = choice.estimates.get(f"split@{choice.at}")
-    if estimate and length == end:
-        rates.add("split", estimate / rates.split_factor(), time.perf_counter() - started)
-    return Restored(length, used, from_disk, computed, choice)
-
-
-def prefill(space: Space, cache, tokens, lo: int, hi: int) -> None:
-    """tokens[lo:hi] through the model, in the store's prefill steps, each evaluated."""
-    step = space.settings.prefill_step
-    for at in range(lo, hi, step):
-        space.model(mx.array(tokens[at : min(at + step, hi)])[None], cache=cache)
-        mx.eval([c.state for c in cache])
+    index.set_note(namespace, NOTE, value)

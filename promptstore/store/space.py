@@ -1,8 +1,10 @@
-"""A namespace bound to a model: fetch the longest stored prefix, insert new spans.
+"""A namespace bound to a model, the store's front door: fetch the longest stored
+prefix, insert what is new.
 
-fetch reassembles a hit from the snapshots along the trie path (one chain per
-layer, restored with one copy per array); insert snapshots only the span not
-yet stored, splitting the snapshots of an edge where a new sequence diverges.
+fetch asks the index for the longest match, its Restorer (restore.py) for the
+cache, the remote tier for more, and names the checkpoints a prefill should
+take; insert hands the cache to its Inserter (insert.py). Hit and miss counters
+are advisory: gathered here and written on a stats thread.
 """
 
 from __future__ import annotations
@@ -11,36 +13,23 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from .. import caches as C
-from ..caches import Snapshot
 from ..caches.base import as_position
-from ..errors import (
-    CacheError,
-    CacheShapeError,
-    CorruptRecordError,
-    KeyCollisionError,
-    PromptStoreError,
-    SettingsError,
-    SnapshotRangeError,
-    StaleInsertError,
-    UnsupportedCacheError,
-)
-from ..identity import NodeId
-from ..index import Index, LayerSpec, Namespace, NamespaceSpec, Node, NodeRecord, prefix_key
-from ..snapshots import device
-from ..snapshots.reader import ProcessPool
-from . import plan
+from ..errors import CorruptRecordError, PromptStoreError, SettingsError, SnapshotRangeError
+from ..index import Index, Namespace, NamespaceSpec, Node, prefix_key
+from ..snapshots.pool import ProcessPool
+from .hit import Hit
+from .insert import Inserter
 from .metrics import model_label
-from .plan import Choice
+from .model import layer_spec, model_dtype, weights_digest
+from .plan import Rates, rates_of, save_rates
+from .restore import Restorer
 from .tokens import model_tokens, vocabulary_size
 
 log = logging.getLogger("promptstore.store")
@@ -50,90 +39,8 @@ if TYPE_CHECKING:
     from ..config import Settings
     from .tiers import Tiers
 
-# A rough prefill cost per token, used to value nodes inserted without a timing.
-ESTIMATED_SECONDS_PER_TOKEN = 1e-3
 # A remote lookup costs round trips: not worth them for fewer new tokens than this.
 MIN_REMOTE_GAIN = 16
-
-
-@dataclass
-class Hit:
-    """What fetch found.
-
-    length: prompt tokens restored (at most len(tokens) - 1, so the caller
-        always computes the last position's logits).
-    cache: per-layer caches at offset `length`, usable as mlx-lm's prompt_cache.
-    checkpoints: positions p > length where the caller, while prefilling,
-        should call `space.insert(tokens[:p], cache)`.
-    remote_tokens: of `length`, tokens restored from the remote tier (0: none).
-    computed: of `length`, tokens fetch prefilled itself while it read the rest
-        from disk (a split cold hit; see plan.py).
-    plan: how a hit with nodes on disk was served (load, recompute, split), None
-        when every node was in memory.
-    nbytes: bytes of the stored nodes the hit restored from (fetched, for a
-        remote hit).
-    matched: prompt tokens the store holds (at most len(tokens) - 1): what a
-        model of attention layers only would restore; a model with window or
-        recurrent layers restores at or before it.
-    """
-
-    length: int
-    cache: list
-    checkpoints: tuple[int, ...] = ()
-    nodes: int = 0
-    cold_nodes: int = 0
-    cold_tokens: int = 0
-    seconds: float = 0.0
-    remote_tokens: int = 0
-    matched: int = 0
-    computed: int = 0
-    plan: Choice | None = None
-    nbytes: int = 0
-
-    def figures(self) -> Hit:
-        """This hit without its cache: what a log line or a metric reads. Kept
-        in place of the hit, it holds no memory of the restore once the caller
-        lets its cache go (a kept cache held a restore's memory, gigabytes on
-        a GPU, until the next fetch, and made that fetch's restore allocate
-        afresh beside it)."""
-        return replace(self, cache=[])
-
-
-def layer_spec(cache: Any, dtype: str) -> LayerSpec:
-    return _spec(C.layer_description(cache), dtype)
-
-
-def _spec(description: dict, dtype: str) -> LayerSpec:
-    # The dtype is a property of the arrays, so of the leaves: a composite layer has none.
-    children = description.get("children")
-    if children:
-        return LayerSpec(kind=description["kind"], children=[_spec(c, dtype) for c in children])
-    return LayerSpec(**description, dtype=dtype)
-
-
-def model_dtype(model: nn.Module) -> str:
-    from mlx.utils import tree_flatten
-
-    params = tree_flatten(model.parameters())
-    floats = [p.dtype for _, p in params if mx.issubdtype(p.dtype, mx.floating)]
-    return str(floats[0]).rsplit(".", 1)[-1] if floats else "unknown"
-
-
-def weights_digest(model: nn.Module) -> str:
-    """xxh3-128 over every parameter's name, dtype, shape and bytes."""
-    import xxhash
-    from mlx.utils import tree_flatten
-
-    h = xxhash.xxh3_128()
-    for name, p in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
-        mx.eval(p)
-        h.update(f"{name}:{p.dtype}:{p.shape};".encode())
-        # A copy the host reads: on CUDA the weights themselves stay on the device.
-        copy = device.host_readable({"p": p})
-        h.update(memoryview(mx.contiguous(copy["p"])))
-        device.release_host_copies(copy)
-    device.release_host_copies({}, flush=True)  # none of the copies stays in MLX's buffer cache
-    return h.hexdigest()
 
 
 def _nbytes(node: Node) -> int:
@@ -141,29 +48,6 @@ def _nbytes(node: Node) -> int:
         return node.record.nbytes
     except CorruptRecordError:
         return 0
-
-
-def _span(snapshots) -> tuple[int, int] | None:
-    """The span a node's snapshots cover (of the first layer that has one)."""
-    first = next((s for s in snapshots if s is not None), None)
-    return None if first is None else (first.start, first.end)
-
-
-def _describe(signature: tuple) -> str:
-    """A `signature()` in words: 'keys float16 [1, 8, 64], ...', a cache list's children in []."""
-    parts = [
-        f"{e[0]} {e[1].rsplit('.', 1)[-1]} {list(e[2])}" if e and isinstance(e[0], str) else f"[{_describe(e)}]"
-        for e in signature
-    ]
-    return ", ".join(parts) or "none"
-
-
-class _SplitDataUnavailable(Exception):
-    """The snapshots of a node whose edge an insert must split are not here."""
-
-
-class _NodeChanged(Exception):
-    """A node an insert read was changed by another process before its record was replaced."""
 
 
 class Space:
@@ -183,15 +67,17 @@ class Space:
         self.model, self.namespace, self.dtype = model, namespace, dtype
         self.cache_kwargs = cache_kwargs
         self.last_hit: Hit | None = None  # the figures of the last counted fetch (no cache: see Hit.figures)
-        self._inserting = threading.local()  # the phases of the insert under way on each thread
         self._touched: list[bytes] = []
         self._counts: Counter = Counter()
         self._flushed = time.monotonic()
         self._stats_lock = threading.Lock()
         self._stats_write = None  # the write of gathered counters under way on the stats thread
-        self._signatures: list | None = None
         self.vocabulary = vocabulary_size(model)
         self.model_label = model_label(namespace.spec)  # what the store's metrics name its model
+        self.restorer = Restorer(tiers, settings, model, self.rates)
+        self.inserter = Inserter(
+            index, tiers, settings, namespace, model, dtype, self.new_cache, self._account, self._step
+        )
 
     @classmethod
     def bind(
@@ -253,7 +139,7 @@ class Space:
             self.tiers.report("record", key, "the index record failed its checksum; treated as missing")
         path = list(match.path[: match.restorable_depth + 1])
         target = match.restorable
-        restored = plan.restore_hit(self, cache, path, target, toks) if path else None
+        restored = self.restorer.restore_hit(cache, path, target, toks) if path else None
         length, used, cold = (restored.length, restored.used, restored.cold) if restored else (0, 0, ())
         computed = restored.computed if restored else 0
         nbytes = sum(_nbytes(n) for n in path[:used])
@@ -335,7 +221,7 @@ class Space:
             if touched or counts:
                 self.index.touch(touched)
                 self.index.bump(self.namespace, **counts)
-            plan.save_rates(self)
+            save_rates(self.index, self.namespace)
         except PromptStoreError as e:
             if not background:
                 raise
@@ -344,8 +230,11 @@ class Space:
     def record_prefill(self, start: int, end: int, seconds: float) -> None:
         """The model prefilled positions [start, end) in `seconds`, timed with its
         work evaluated: a sample of the rate cold hits are planned by."""
-        if end > start and seconds > 0:
-            plan.rates_of(self).add("prefill", int(start), int(end), float(seconds))
+        self.rates().prefilled(start, end, seconds)
+
+    def rates(self) -> Rates:
+        """What this namespace's prefills and cold reads have cost (plan.py)."""
+        return rates_of(self.index, self.namespace)
 
     @property
     def _restores_at_points(self) -> bool:
@@ -383,25 +272,6 @@ class Space:
         before = [n.end for n in path[:-1] if n.present & state == state and n.end % self._step]
         return {"checkpoint_hits": 1, "checkpoint_tokens": length - max(before, default=0)}
 
-    def restore_path(self, cache, path: list[Node], target: int, loaded=None):
-        """Restore `cache` to the deepest position <= target every layer reaches:
-        (that position, nodes used, nodes read from disk), or None.
-
-        loaded: what tiers.get_path(path) gave, when the caller read it already.
-        """
-        snaps, cold = loaded if loaded is not None else self.tiers.get_path(path)
-        path = path[: len(snaps)]
-        while path:
-            end = min(target, path[-1].end)
-            chains = C.restore_chains(snaps, path[-1].end, end)
-            if chains is not None and end > path[-1].start and self.restored(cache, chains, end, path[-1]):
-                if end == path[-1].end:
-                    self.tiers.restored_from(path[-1].key)  # its state was worth keeping
-                return end, len(path), cold
-            path, snaps = path[:-1], snaps[:-1]
-            target = path[-1].end if path else 0
-        return None
-
     def _fetch_remote(self, toks: np.ndarray, length: int, path: list[Node]):
         """A longer prefix than `length` from the remote tier: (its length, a cache
         restored to it, the bytes fetched, the tokens of fetched nodes), also stored
@@ -428,7 +298,9 @@ class Space:
             chains = C.restore_chains(snaps, links[-1].end)
             if chains is not None and end > max(length, links[-1].start):
                 cache = self.new_cache()
-                if self.restored(cache, chains, end, None) and self._keep_remote(toks[:end], cache, got, length):
+                if self.restorer.restored(cache, chains, end, None) and self.inserter.keep_remote(
+                    toks[:end], cache, got, length
+                ):
                     self.tiers.counts["remote_tokens"] += end
                     fetched = sum(
                         min(link.end, end) - link.start for link, f in zip(links, got.fetched) if f and link.start < end
@@ -438,213 +310,21 @@ class Space:
             target = links[-1].end if links else 0
         return None
 
-    def _keep_remote(self, toks: np.ndarray, cache, got, length: int) -> bool:
-        """Store a remote hit here, a node per link of the chain as its publisher cut
-        it, each holding the snapshots fetched for it (a node the prompt ends inside
-        is cut from `cache`); arrays that do not fit this model are a miss."""
-        end = len(toks)
-        try:
-            self._check_cache(cache)
-            self._check_arrays(cache)
-            with self.tiers.from_remote():
-                for link, snaps in zip(got.links, got.snapshots):
-                    if link.end <= length or link.start >= end:
-                        continue  # held here already, or past the hit
-                    hi = min(link.end, end)
-                    seconds = link.seconds * (hi - max(link.start, length)) / (link.end - link.start)
-                    self._insert_node(toks[:hi], cache, seconds, end, snaps if hi == link.end else None)
-        except CacheError as e:
-            self.tiers.report("remote_layout", toks[:8].tobytes(), f"a remote hit does not fit this model: {e}")
-            return False
-        return True
-
-    def restored(self, cache, chains, end: int, last: Node | None) -> bool:
-        """restore_prompt_cache, with stored snapshots that do not fit (a file of
-        another layout that passed its own checks) reported as a miss."""
-        try:
-            return C.restore_prompt_cache(cache, chains, end)
-        except CacheError as e:
-            self.tiers.report("layout", last.key if last else b"", f"stored snapshots do not fit this namespace: {e}")
-            return False
-
     # --- insert -----------------------------------------------------------------------
 
     def insert(self, tokens, cache: Sequence[Any], prefill_seconds: float | None = None) -> int:
         """Store what `cache` (holding exactly `tokens`) adds; returns new tokens stored.
         Where its time went is then `last_insert_phases()` on the same thread."""
-        self._inserting.phases = phases = {}
-        try:
-            toks = self._tokens(tokens)
-            self._check_cache(cache)
-            position = C.prompt_position(cache)
-            if position != len(toks):
-                raise CacheError(f"the cache holds {position} positions but {len(toks)} tokens were given")
-            if position:
-                self._check_arrays(cache)
-            stored = 0
-            for end, piece, seconds in self._pieces(toks, cache, prefill_seconds):
-                stored += self._insert_node(toks[:end], cache, seconds, position, piece)
-        finally:
-            self._inserting.phases = None  # a failed insert leaves nothing collecting
-        self._inserting.last = phases
-        return stored
+        return self.inserter.insert(self._tokens(tokens), cache, prefill_seconds)
 
     def last_insert_phases(self) -> dict[str, float]:
-        """Seconds the last insert that returned on this thread spent in each phase:
-        `plan` (reading the trie), `snapshot` (copying the new span out of the cache,
-        on the device), `index` (the index's commit, synced to disk), `hold` (into the
-        hot tier, with evictions and the spill handed to the writer). Empty before one."""
-        return dict(getattr(self._inserting, "last", None) or {})
-
-    @contextmanager
-    def _phase(self, name: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            phases = getattr(self._inserting, "phases", None)
-            if phases is not None:
-                phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
-
-    def _pieces(self, toks: np.ndarray, cache, prefill_seconds: float | None):
-        """(end, its snapshots or None, prefill seconds) of each node to insert: one
-        for the whole span unless it holds more than `node_bytes`, then a chain of
-        nodes ending at multiples of a step (the last at the end of `toks`)."""
-        with self._phase("plan"):
-            start, end = self.index.plan_insert(self.namespace, toks).span
-        whole = [(len(toks), None, prefill_seconds)]
-        if end - start < 2:
-            return whole
-        snaps = self._snap_span(cache, start, end)
-        nbytes = C.node_nbytes(snaps)
-        if nbytes <= self.settings.node_bytes:
-            return [(len(toks), snaps, prefill_seconds)]
-        step = max(self.settings.prefill_step, int(self.settings.node_bytes * (end - start) / nbytes))
-        cuts = [c for c in range((start // step + 1) * step, end, step) if c - start >= step // 4]
-        pieces = C.cut_node(snaps, cuts)
-        bounds = [start, *cuts, end]
-        share = (
-            (lambda lo, hi: None)
-            if prefill_seconds is None
-            else (lambda lo, hi: prefill_seconds * (hi - lo) / (end - start))
-        )
-        return [(hi, p, share(lo, hi)) for lo, hi, p in zip(bounds, bounds[1:], pieces)]
-
-    def _insert_node(self, toks: np.ndarray, cache, prefill_seconds, position: int, new) -> int:
-        """Insert one node ending at len(toks); `cache` is at `position` (>= it),
-        `new` the snapshots of the span planned (made from `cache` when None or
-        when the trie changed meanwhile)."""
-        for attempt in range(6):
-            with self._phase("plan"):
-                plan = self.index.plan_insert(self.namespace, toks)
-            try:
-                # The last try splits a node whose data is nowhere rather than give up.
-                return self._commit(plan, toks, cache, prefill_seconds, attempt == 5, position, new)
-            except (StaleInsertError, _NodeChanged):
-                continue
-            except KeyCollisionError:
-                return 0
-            except _SplitDataUnavailable:
-                # The edge to split belongs to a node another process has not
-                # spilled yet; its file usually lands within moments.
-                time.sleep(0.02 * 2**attempt)
-        self.tiers.report("insert", toks[:8].tobytes(), "gave up: the node to split has no data here")
-        return 0
-
-    def _check_cache(self, cache) -> None:
-        """A list of this namespace's cache kinds and layouts, or a typed error."""
-        if not isinstance(cache, (list, tuple)) or not all(isinstance(c, C.SnapshotProtocol) for c in cache):
-            raise UnsupportedCacheError(
-                "insert takes the list of per-layer caches a model ran with "
-                "(promptstore caches: see caches.make_prompt_cache / adopt_prompt_cache)"
-            )
-        dtype = self.dtype
-        given = [layer_spec(c, dtype) for c in cache]
-        if given != list(self.namespace.spec.layers):
-            raise CacheShapeError(
-                f"the cache's layout does not match namespace {self.namespace.hex[:12]}: "
-                f"{len(given)} layers of {[g.kind for g in given][:4]}..."
-            )
-
-    def _check_arrays(self, cache) -> None:
-        """Every layer's arrays have the dtype, batch size, head count and head dim
-        this model gives them (another model with the same layer kinds, or a batch
-        of 2, would otherwise be stored and later served to this one)."""
-        expected = self.array_signatures()
-        for i, (c, want) in enumerate(zip(cache, expected)):
-            got = c.signature()
-            if got != want:
-                raise CacheShapeError(
-                    f"layer {i}'s arrays are {_describe(got)}, but this namespace's model "
-                    f"makes {_describe(want)} (name, dtype, shape without the token axis)"
-                )
+        """Seconds the last insert that returned on this thread spent in each phase
+        (see Inserter.last_insert_phases). Empty before one."""
+        return self.inserter.last_insert_phases()
 
     def array_signatures(self) -> list:
-        """Per-layer `signature()` of a cache this model fills: from a one-token
-        forward, made once and never evaluated (only shapes are read)."""
-        if self._signatures is None:
-            cache = self.new_cache()
-            self.model(mx.array([[0]]), cache=cache)
-            self._signatures = [c.signature() for c in cache]
-        return self._signatures
-
-    def _heal(self, plan, cache, position: int) -> None:
-        """Nodes on the path whose data is nowhere (a writer died before spilling
-        them) are stored again from `cache`, which holds their tokens."""
-        for node in plan.match.path:
-            # Only nodes these tokens match to their end: a node the tokens
-            # diverge inside holds another prompt's positions.
-            if node.end > min(position, plan.match.matched) or self.tiers.has(node):
-                continue
-            snaps = self._snap_node(cache, node, position)
-            record = self._record(snaps, None, node.end - node.start)
-            if self.tiers.filing.refile(node.id, None, record):
-                self._put(node.id, snaps, record.prefill_seconds)
-                self.tiers.counts["healed"] += 1
-
-    def _snap_node(self, cache, node: Node, position: int) -> list:
-        snaps = self._snap_span(cache, node.start, position)
-        if position == node.end:
-            return snaps
-        return C.split_node(snaps, node.end)[0]
-
-    def _commit(self, plan, toks: np.ndarray, cache, prefill_seconds, lost_ok=False, position=None, new=None) -> int:
-        position = len(toks) if position is None else position
-        self._heal(plan, cache, position)
-        start, end = plan.span
-        split_records = None
-        uppers = lowers = None
-        if plan.split is not None:
-            split_records, uppers, lowers = self._split(plan, cache, position, lost_ok)
-            if split_records is None:
-                raise _SplitDataUnavailable()
-        if new is not None and _span(new) != (start, end):
-            new = None  # planned for another span (the trie changed): made again below
-        if new is None and end > start:
-            new = self._snap_node(cache, NodeId(b"", self.namespace.key, start, end), position)
-        fill = self._fill_checkpoint(plan, cache) if end == start and plan.split is None and end == position else None
-        if new is None and plan.split is None and fill is None:
-            return 0
-        record = self._record(new, prefill_seconds, end - start) if new is not None else None
-        with self._phase("index"):
-            result = self.tiers.filing.commit_insert(plan, record, split_records)
-        if len(toks) == position:
-            self._count_checkpoint(position, new if new is not None else uppers if plan.split is not None else None)
-        if plan.split is not None:
-            self._place_split(plan, uppers, lowers)
-        if new is not None:
-            self._put(NodeId(result.key, self.namespace.key, start, end), new, record.prefill_seconds)
-        if fill is not None:
-            fill()
-        return end - start  # the index counts tokens_stored itself
-
-    def _count_checkpoint(self, position: int, snaps) -> None:
-        """What checkpoints cost: recurrent states stored at grid positions."""
-        if snaps is None or not self.namespace.state_mask or position % self._step:
-            return
-        nbytes = C.state_nbytes(snaps)
-        if nbytes:
-            self._account([], checkpoints=1, checkpoint_bytes=nbytes)
+        """Per-layer `signature()` of a cache this model fills (see Inserter.array_signatures)."""
+        return self.inserter.array_signatures()
 
     def checkpoint_counters(self) -> dict[str, int]:
         """What checkpoints cost (states stored at grid positions, and those dropped
@@ -653,104 +333,3 @@ class Space:
         self.flush_stats()
         counters = self.index.counters(self.namespace)
         return {k: v for k, v in counters.items() if k.startswith("checkpoint")}
-
-    def _snap_span(self, cache, start: int, end: int) -> list[Snapshot]:
-        with self._phase("snapshot"):
-            snaps = C.snapshot_prompt_cache(cache, start)
-            mx.eval([a for s in snaps for a in s.all_arrays()])
-        return snaps
-
-    def _record(self, snaps, prefill_seconds, n_tokens) -> NodeRecord:
-        record = NodeRecord.blank(self.namespace, C.present_layers(snaps))
-        layers = [
-            ref.model_copy(update={"nbytes": s.nbytes if s is not None else 0}) for ref, s in zip(record.layers, snaps)
-        ]
-        seconds = prefill_seconds if prefill_seconds is not None else n_tokens * ESTIMATED_SECONDS_PER_TOKEN
-        return record.model_copy(
-            update={
-                "layers": layers,
-                "nbytes": C.node_nbytes(snaps),
-                "prefill_seconds": seconds,
-            }
-        )
-
-    def _split(self, plan, cache, position: int, lost_ok: bool = False):
-        """Records and snapshots of the two halves of the node an insert cuts.
-
-        lost_ok: when the node's data is nowhere (a writer died before spilling
-        it), the upper half comes from `cache` (which holds its tokens) and the
-        lower half holds nothing until a prompt through it stores it again.
-        """
-        node = self._node(plan.split.key)
-        snaps = self.tiers.get(node) if node is not None else None
-        if snaps is None and (node is None or not lost_ok):
-            return None, None, None  # another process may still spill it: try again
-        if snaps is None:
-            snaps = [None] * self.namespace.n_layers
-        uppers, lowers = C.split_node(snaps, plan.split.at)
-        if position == plan.split.at:
-            # The cache is at the split point: it has every layer's state there,
-            # whole-state ones included (a caller following hit.checkpoints).
-            uppers = self._snap_span(cache, node.start, position)
-            self.tiers.keep_states(plan.split.upper_key)  # where prompts diverge
-        elif not any(s is not None for s in snaps):
-            uppers = self._snap_node(cache, NodeId(node.key, node.namespace, node.start, plan.split.at), position)
-        else:
-            uppers = C.richer_windows(uppers, cache, node.start, plan.split.at)
-        frac = (plan.split.at - node.start) / (node.end - node.start)
-        seconds = node.record.prefill_seconds
-        upper_rec = self._record(uppers, seconds * frac, 0)
-        lower_rec = self._record(lowers, seconds * (1 - frac), 0)
-        return (upper_rec, lower_rec), uppers, lowers
-
-    def _place_split(self, plan, uppers, lowers) -> None:
-        self.tiers.forget(plan.split.key)
-        split, ns = plan.split, self.namespace.key
-        with self.tiers.local():  # new spans: published from here, even when a remote hit's insert split them
-            self._put(NodeId(split.upper_key, ns, split.start, split.at), uppers, None)
-            if any(s is not None for s in lowers):
-                self._put(NodeId(split.key, ns, split.at, split.end), lowers, None)
-
-    def _put(self, node_id: NodeId, snaps, seconds) -> None:
-        """Hold snapshots for the node they were made for; if another process
-        changed the node since, they are not its data."""
-        node = self._node(node_id.key)
-        if node is None or node.id != node_id:
-            return
-        with self._phase("hold"):
-            self.tiers.put(node_id, snaps, node.record.prefill_seconds if seconds is None else seconds)
-
-    def _fill_checkpoint(self, plan, cache):
-        """All tokens are stored and end at a node: fill its missing whole-state layers."""
-        node = plan.match.path[-1] if plan.match.path else None
-        if node is None or node.end != len(plan.tokens):
-            return None
-        try:
-            record = node.record
-        except CorruptRecordError:
-            return None
-        missing = [i for i, ref in enumerate(record.layers) if not ref.present]
-        if not missing:
-            return None
-
-        def fill():
-            current = self.tiers.get(node)
-            if current is None:
-                return
-            fresh = self._snap_span(cache, node.start, node.end)
-            merged = [fresh[i] if i in missing else s for i, s in enumerate(current)]
-            if any(s is None or not s.complete for s in merged):
-                return
-            new_record = self._record(merged, record.prefill_seconds, 0)
-            if not self.tiers.filing.refile(node.id, record.file, new_record.model_copy(update={"file": None})):
-                raise _NodeChanged()  # another process changed it: plan the insert again
-            self.tiers.forget(node.key)
-            self._put(node.id, merged, record.prefill_seconds)
-
-        return fill
-
-    def _node(self, key: bytes) -> Node | None:
-        try:
-            return self.index.get(key)
-        except CorruptRecordError:
-            return None

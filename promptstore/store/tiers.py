@@ -10,14 +10,11 @@ tenant's enters, so one tenant can neither evict nor time another's data.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
-import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,21 +28,11 @@ from ..index import Index, Node
 from ..snapshots import ColdTier, HotTier, SpillJob, Writer
 from ..snapshots.cold import PendingLoad
 from ..snapshots.remote import LocalLink, PublishItem, RemoteTier
-from ..snapshots.value import value
+from .eviction import evict_tenant
 from .filing import Filing, filed
-from .metrics import Meter
+from .metrics import Meter, Report
 
 log = logging.getLogger("promptstore.store")
-
-
-@dataclass(frozen=True)
-class Report:
-    """Something a caller did not see as an error but an operator should know."""
-
-    reason: str
-    key: str
-    detail: str
-    at: float = field(default_factory=time.time)
 
 
 class Tiers:
@@ -211,14 +198,8 @@ class Tiers:
 
     def has(self, node: Node) -> bool:
         """Whether the node's data is held here or named on disk (without loading it)."""
-        entry = self.hot.entries.get(node.key)
-        if entry is not None and entry.node == node.id:
+        if self.is_held(node):
             return True
-        with self.lock:
-            for jobs in (self.pending, self.stranded):
-                job = jobs.get(node.key)
-                if job is not None and job.node == node.id:
-                    return True
         try:
             return bool(node.record.file)
         except CorruptRecordError:
@@ -266,14 +247,7 @@ class Tiers:
 
     def is_held(self, node: Node) -> bool:
         """Whether this process holds the node's snapshots (no file read needed)."""
-        entry = self.hot.entries.get(node.key)
-        if entry is not None and entry.node == node.id:
-            return True
-        with self.lock:
-            return any(
-                (job := jobs.get(node.key)) is not None and job.node == node.id
-                for jobs in (self.pending, self.stranded)
-            )
+        return self._held(node, use=False) is not None
 
     def file_of(self, node: Node) -> Path | None:
         """The absolute path of the node's file, None without one."""
@@ -283,9 +257,10 @@ class Tiers:
         except (CorruptRecordError, ColdFileError):
             return None
 
-    def _held(self, node: Node) -> list[Snapshot] | None:
-        """The node's snapshots if this process holds them (hot, or queued for disk)."""
-        entry = self.hot.get(node.key)
+    def _held(self, node: Node, use: bool = True) -> list[Snapshot] | None:
+        """The node's snapshots if this process holds them (hot, or queued for disk).
+        use: False for a look that leaves the hot tier's order of use as it is."""
+        entry = self.hot.get(node.key) if use else self.hot.entries.get(node.key)
         if entry is not None and entry.node == node.id:
             return entry.snapshots
         with self.lock:
@@ -437,40 +412,17 @@ class Tiers:
         budget = self.settings.disk_bytes if budget is None else budget
         removed = freed = 0
         for tenant_nodes in self.cold_by_tenant().values():
-            nodes, nbytes = self._evict_tenant(tenant_nodes, budget)
+            nodes, nbytes = evict_tenant(tenant_nodes, budget, self.index.is_leaf, self._retire)
             removed, freed = removed + nodes, freed + nbytes
         return removed, freed
 
-    def _evict_tenant(self, filed: list[Node], budget: int) -> tuple[int, int]:
-        removed = freed = 0
-        total = sum(n.record.nbytes for n in filed)
-        if total <= budget:
-            return removed, freed
-        # One scan, then a heap: evicting a leaf can only make its parent a leaf.
-        # Ages count this tenant's nodes only, so no other tenant's use reorders them.
-        ages = {n.key: age for age, n in enumerate(reversed(filed))}
-        nodes = {n.key: n for n in filed}
-
-        def entry(n: Node):
-            return (value(n.record.prefill_seconds, n.record.hits, n.record.nbytes, ages[n.key]), ages[n.key], n.key)
-
-        # The access order is read in batches while other processes re-stamp it, so
-        # a node may be listed twice: each is pushed once, and one popped twice is skipped.
-        heap = [entry(n) for n in nodes.values() if self.index.is_leaf(n.key)]
-        heapq.heapify(heap)
-        while total > budget and heap:
-            victim = nodes.pop(heapq.heappop(heap)[2], None)
-            if victim is None:
-                continue
-            if self.filing.retire(self.index.namespace(victim.namespace), victim.id) is None:
-                continue  # another process changed it meanwhile
-            self.forget(victim.key)
-            self.meter.evicted("cold", 1, victim.record.nbytes)
-            removed, freed, total = removed + 1, freed + victim.record.nbytes, total - victim.record.nbytes
-            parent = nodes.get(victim.parent)
-            if parent is not None and self.index.is_leaf(parent.key):
-                heapq.heappush(heap, entry(parent))
-        return removed, freed
+    def _retire(self, victim: Node) -> bool:
+        """Remove a leaf over its tenant's disk budget; False if another process changed it meanwhile."""
+        if self.filing.retire(self.index.namespace(victim.namespace), victim.id) is None:
+            return False
+        self.forget(victim.key)
+        self.meter.evicted("cold", 1, victim.record.nbytes)
+        return True
 
     def unwritten(self) -> tuple[int, int]:
         """Nodes, and their bytes, held in memory only. After close(), which

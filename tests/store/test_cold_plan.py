@@ -133,7 +133,7 @@ def test_a_fetch_serves_a_cold_hit_as_the_measured_rates_say(tmp_path, reads, mo
         cache = fresh_cache(model)
         forward(model, cache, A)
         space.insert(A, cache)
-        r = rates_of(space)
+        r = rates_of(space.index, space.namespace)
         for n in (50, 100, 150):
             r.add("prefill", 0, n, n / 20_000)
         r.warm, r.disk = [(1 << 20, (1 << 20) / reads)], [(1 << 20, (1 << 20) / reads)]

@@ -297,7 +297,7 @@ def main():
         mx.eval(model.parameters())
         out["model_s"] = round(time.perf_counter() - a, 1)
         if "--digest" in sys.argv:
-            from promptstore.store.space import weights_digest
+            from promptstore.store.model import weights_digest
 
             a = time.perf_counter()
             weights_digest(model)

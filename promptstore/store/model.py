@@ -1,0 +1,49 @@
+"""What a namespace reads of a model: its layers' specs, its dtype, its weights' digest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import caches as C
+from ..index import LayerSpec
+from ..snapshots import device
+
+
+def layer_spec(cache: Any, dtype: str) -> LayerSpec:
+    return _spec(C.layer_description(cache), dtype)
+
+
+def _spec(description: dict, dtype: str) -> LayerSpec:
+    # The dtype is a property of the arrays, so of the leaves: a composite layer has none.
+    children = description.get("children")
+    if children:
+        return LayerSpec(kind=description["kind"], children=[_spec(c, dtype) for c in children])
+    return LayerSpec(**description, dtype=dtype)
+
+
+def model_dtype(model: nn.Module) -> str:
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
+    floats = [p.dtype for _, p in params if mx.issubdtype(p.dtype, mx.floating)]
+    return str(floats[0]).rsplit(".", 1)[-1] if floats else "unknown"
+
+
+def weights_digest(model: nn.Module) -> str:
+    """xxh3-128 over every parameter's name, dtype, shape and bytes."""
+    import xxhash
+    from mlx.utils import tree_flatten
+
+    h = xxhash.xxh3_128()
+    for name, p in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        mx.eval(p)
+        h.update(f"{name}:{p.dtype}:{p.shape};".encode())
+        # A copy the host reads: on CUDA the weights themselves stay on the device.
+        copy = device.host_readable({"p": p})
+        h.update(memoryview(mx.contiguous(copy["p"])))
+        device.release_host_copies(copy)
+    device.release_host_copies({}, flush=True)  # none of the copies stays in MLX's buffer cache
+    return h.hexdigest()

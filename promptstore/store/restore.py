@@ -1,0 +1,166 @@
+"""Restoring a hit: a namespace's caches brought along a trie path from snapshots
+held in memory, read from disk, or both at once (the model prefills the head
+while the tail is read: an overlapped hit), as plan.py chooses.
+
+A restore reaches the deepest position every layer can, or nothing: stored
+snapshots that do not fit the namespace are a reported miss, never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .. import caches as C
+from ..errors import CacheError, CorruptRecordError
+from ..index import Node
+from ..snapshots.page_cache import resident_bytes
+from .plan import Choice, ColdNode, Rates, choose
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from .tiers import Tiers
+
+log = logging.getLogger("promptstore.store")
+
+
+@dataclass
+class Restored:
+    """What a fetch's restore reached: the hit's length, the nodes it used, the
+    nodes read from disk, the tokens the fetch prefilled itself, and the choice."""
+
+    length: int
+    used: int
+    cold: list
+    computed: int = 0
+    choice: Choice | None = None
+
+
+class Restorer:
+    """Restores the caches of one namespace, bound to its model, from the tiers.
+
+    rates: the namespace's measured rates (plan.rates_of), asked for when a hit
+        has cold nodes.
+    """
+
+    def __init__(self, tiers: Tiers, settings: Settings, model: nn.Module, rates: Callable[[], Rates]):
+        self.tiers, self.settings, self.model, self.rates = tiers, settings, model, rates
+
+    def restore_hit(self, cache: list, path: list[Node], target: int, tokens: np.ndarray) -> Restored | None:
+        """Restore `cache` along `path` to at most `target`, loading, recomputing or
+        both as `choose` says; None is a miss."""
+        held = 0
+        while held < len(path) and self.tiers.is_held(path[held]):
+            held += 1
+        if held == len(path):
+            return _restored(self.restore_path(cache, path, target))
+        base = path[held - 1].end if held else 0
+        end = min(target, path[-1].end)
+        cold = [self._cold_node(n, min(n.end, end)) for n in path[held:]]
+        choice = choose(self.rates(), base, cold, self.settings.cold_plan)
+        log.debug("cold hit of %d nodes [%d, %d): %s", len(cold), base, end, choice)
+        if choice.mode == "recompute":
+            got = self.restore_path(cache, path[:held], base) if held else None
+            return _restored(got, choice) or Restored(0, 0, [], choice=choice)
+        if choice.mode == "split":
+            done = self._overlap(cache, path, held, base, choice, tokens, end)
+            if done is not None:
+                return done
+        return self._load(cache, path, target, choice, cold)
+
+    def restore_path(self, cache, path: list[Node], target: int, loaded=None):
+        """Restore `cache` to the deepest position <= target every layer reaches:
+        (that position, nodes used, nodes read from disk), or None.
+
+        loaded: what tiers.get_path(path) gave, when the caller read it already.
+        """
+        snaps, cold = loaded if loaded is not None else self.tiers.get_path(path)
+        path = path[: len(snaps)]
+        while path:
+            end = min(target, path[-1].end)
+            chains = C.restore_chains(snaps, path[-1].end, end)
+            if chains is not None and end > path[-1].start and self.restored(cache, chains, end, path[-1]):
+                if end == path[-1].end:
+                    self.tiers.restored_from(path[-1].key)  # its state was worth keeping
+                return end, len(path), cold
+            path, snaps = path[:-1], snaps[:-1]
+            target = path[-1].end if path else 0
+        return None
+
+    def restored(self, cache, chains, end: int, last: Node | None) -> bool:
+        """restore_prompt_cache, with stored snapshots that do not fit (a file of
+        another layout that passed its own checks) reported as a miss."""
+        try:
+            return C.restore_prompt_cache(cache, chains, end)
+        except CacheError as e:
+            self.tiers.report("layout", last.key if last else b"", f"stored snapshots do not fit this namespace: {e}")
+            return False
+
+    def _cold_node(self, node: Node, end: int) -> ColdNode:
+        try:
+            nbytes = 0 if self.tiers.is_held(node) else node.record.nbytes
+        except CorruptRecordError:
+            nbytes = 0  # the load reports it
+        path = self.tiers.file_of(node) if nbytes else None
+        resident = resident_bytes(path) if path is not None else 0
+        return ColdNode(node.start, end, nbytes, min(nbytes, resident if resident is not None else 0))
+
+    def _load(self, cache, path, target: int, choice: Choice, cold: list[ColdNode]) -> Restored | None:
+        rates = self.rates()
+        started = time.perf_counter()
+        loaded = self.tiers.finish_path(self.tiers.start_path(path))
+        read = time.perf_counter() - started
+        got = self.restore_path(cache, path, target, loaded)
+        if got is not None and got[2]:
+            mx.eval([c.state for c in cache])  # timed whole: MLX is lazy
+            rates.add_read(cold, read)
+            rates.add("place", sum(n.nbytes for n in cold), time.perf_counter() - started - read)
+        return _restored(got, choice)
+
+    def _overlap(self, cache, path, held: int, base: int, choice: Choice, tokens, end: int) -> Restored | None:
+        """Prefill [base, choice.at) while the nodes from choice.at on are read."""
+        rates = self.rates()
+        started = time.perf_counter()
+        if held:
+            got = self.restore_path(cache, path[:held], base)
+            if got is None or got[0] != base:
+                return None  # the held part did not restore whole: load instead
+        first = next(i for i, n in enumerate(path) if n.start == choice.at)
+        loading = self.tiers.start_path(path[first:])  # MLX's I/O threads read while the model runs
+        computing = time.perf_counter()
+        self._prefill(cache, tokens, base, choice.at)
+        rates.prefilled(base, choice.at, time.perf_counter() - computing)
+        snaps, from_disk = self.tiers.finish_path(loading)
+        computed = choice.at - base
+        tail = path[first : first + len(snaps)]
+        length, used = choice.at, first
+        if tail:
+            target = min(end, tail[-1].end)
+            chains = C.restore_chains(snaps, tail[-1].end, target)
+            if chains is not None and self.restored(cache, chains, target, tail[-1]):
+                mx.eval([c.state for c in cache])
+                length, used = target, first + len(tail)
+                if target == tail[-1].end:
+                    self.tiers.restored_from(tail[-1].key)
+        estimate = choice.estimates.get(f"split@{choice.at}")
+        if estimate and length == end:
+            rates.add("split", estimate / rates.split_factor(), time.perf_counter() - started)
+        return Restored(length, used, from_disk, computed, choice)
+
+    def _prefill(self, cache, tokens, lo: int, hi: int) -> None:
+        """tokens[lo:hi] through the model, in the store's prefill steps, each evaluated."""
+        step = self.settings.prefill_step
+        for at in range(lo, hi, step):
+            self.model(mx.array(tokens[at : min(at + step, hi)])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+
+
+def _restored(got, choice: Choice | None = None) -> Restored | None:
+    return None if got is None else Restored(*got, choice=choice)
