@@ -123,7 +123,7 @@ class Sampling(Body):
     n: Literal[1] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Annotated[Any, Field(default=None)] = None
+    stop: Any = None  # checked by _stop
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(ge=0)] | None = None
@@ -178,7 +178,7 @@ class ChatCompletionBody(Sampling):
 class CompletionBody(Sampling):
     """POST /v1/completions: one prompt, a string or token ids."""
 
-    prompt: Annotated[Any, Field()]
+    prompt: Any  # checked by _one_prompt
     logprobs: bool | Annotated[int, Field(ge=0, le=5)] = False
     echo: Literal[False] | None = None
     best_of: Literal[1] | None = None
@@ -207,7 +207,7 @@ class MessagesBody(Body):
     max_tokens: Positive
     messages: Annotated[list[dict], Field(min_length=1)]
     system: str | list[dict] | None = None
-    stop_sequences: Annotated[Any, Field(default=None)] = None
+    stop_sequences: Any = None  # checked by _stop
     stream: bool = False
     temperature: Unit | None = None
     top_p: Unit | None = None
