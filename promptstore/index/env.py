@@ -6,6 +6,7 @@ per-process registry and are shared, refcounted, by every Index on that path.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import struct
@@ -352,9 +353,42 @@ def _open(path: str, map_size: int, readonly: bool, sync: bool) -> Environment:
         raise IndexStoreError(f"no index at {path}")
     if not readonly:
         os.makedirs(path, mode=0o700, exist_ok=True)
+    with _opening(path, readonly):
+        env = _open_environment(path, map_size, readonly, sync)
+    try:
+        env.reader_check()  # free reader slots left by crashed processes
+        dbs = _open_dbs(env, path, readonly)
+    except BaseException:
+        env.close()
+        raise
+    return Environment(path, env, dbs, readonly)
+
+
+@contextmanager
+def _opening(path: str, readonly: bool):
+    """Opens of one index, one process at a time. LMDB creates data.mdb and then
+    writes its meta pages: another process checking the file in between found it
+    empty and took it for a truncated index (two processes opening a new store
+    at once, seen in a run of the suite). A read-only open of an index that
+    has never been opened for writing takes no lock (it creates no file)."""
+    lock = os.path.join(path, "open.lock")
+    try:
+        fd = os.open(lock, os.O_RDONLY) if readonly else os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        fd = None  # read-only, with no lock file: no writer has ever opened it
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_SH if readonly else fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # and the lock with it
+
+
+def _open_environment(path: str, map_size: int, readonly: bool, sync: bool) -> lmdb.Environment:
     check_data_file(path)
     try:
-        env = lmdb.open(
+        return lmdb.open(
             path,
             map_size=map_size,
             subdir=True,
@@ -373,13 +407,6 @@ def _open(path: str, map_size: int, readonly: bool, sync: bool) -> Environment:
         raise IndexCorruptError(f"cannot open LMDB index at {path}: {e} ({_REPAIR})") from e
     except lmdb.Error as e:
         raise IndexStoreError(f"cannot open LMDB index at {path}: {e}") from e
-    try:
-        env.reader_check()  # free reader slots left by crashed processes
-        dbs = _open_dbs(env, path, readonly)
-    except BaseException:
-        env.close()
-        raise
-    return Environment(path, env, dbs, readonly)
 
 
 def _open_dbs(env: lmdb.Environment, path: str, readonly: bool) -> Dbs:
