@@ -21,8 +21,10 @@ setup: $(STAMP)
 demo: setup
 	$(BLAS_ENV) $(BIN)/promptstore demo
 
+# Two workers (JOBS=1 for one): every server and Redis a test starts takes a free loopback port.
+JOBS ?= 2
 test: setup redis lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(JOBS)
 
 # One style, checked in CI (`make test` runs it first); `make format` applies it.
 lint: setup
