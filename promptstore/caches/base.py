@@ -110,7 +110,19 @@ class SnapshotProtocol:
 
     @classmethod
     def split_snapshot(cls, snapshot: Snapshot, at: int):
-        """`[a, c)` -> (`[a, at)`, `[at, c)`); kinds that cannot: (None, snapshot)."""
+        """`[a, c)` -> (`[a, at)`, `[at, c)`); kinds that cannot: (None, snapshot).
+        A position at or past either end leaves the snapshot whole on its side."""
+        at = as_position(at, "split position")
+        cls.validate_snapshot(snapshot)
+        if at >= snapshot.end:
+            return snapshot, None
+        if at <= snapshot.start:
+            return None, snapshot
+        return cls.split_inside(snapshot, at)
+
+    @classmethod
+    def split_inside(cls, snapshot: Snapshot, at: int):
+        """split_snapshot at a position strictly inside the snapshot's span."""
         raise NotImplementedError
 
     @classmethod

@@ -139,13 +139,7 @@ class CacheList(SnapshotProtocol, mlx_cache.CacheList):
         return Snapshot(cls.kind, chain[0].start, last.end, last.whole, {}, dict(last.scalars), children)
 
     @classmethod
-    def split_snapshot(cls, snapshot: Snapshot, at: int):
-        at = as_position(at, "split position")
-        cls.validate_snapshot(snapshot)
-        if at >= snapshot.end:
-            return snapshot, None
-        if at <= snapshot.start:
-            return None, snapshot
+    def split_inside(cls, snapshot: Snapshot, at: int):
         halves = [(None, None) if c is None else kind_class(c.kind).split_snapshot(c, at) for c in snapshot.children]
         if any(
             c is not None and (upper is None or lower is None) for c, (upper, lower) in zip(snapshot.children, halves)

@@ -156,13 +156,7 @@ class RotatingKVCache(SnapshotProtocol, mlx_cache.RotatingKVCache):
         return build(layout, chain[0].start, chain[-1].end, [src for s in reversed(chain) for src in sources(s)])
 
     @classmethod
-    def split_snapshot(cls, snapshot: Snapshot, at: int):
-        at = as_position(at, "split position")
-        cls.validate_snapshot(snapshot)
-        if at >= snapshot.end:
-            return snapshot, None
-        if at <= snapshot.start:
-            return None, snapshot
+    def split_inside(cls, snapshot: Snapshot, at: int):
         layout = {k: snapshot.scalars[k] for k in ("max_size", "keep")}
         srcs = sources(snapshot)
         return build(layout, snapshot.start, at, srcs), build(layout, at, snapshot.end, srcs)

@@ -69,10 +69,8 @@ class WholeStateKind(SnapshotProtocol):
         return Snapshot(cls.kind, chain[0].start, last.end, True, last.arrays, last.scalars, last.children)
 
     @classmethod
-    def split_snapshot(cls, snapshot: Snapshot, at: int):
-        at = as_position(at, "split position")
-        cls.validate_snapshot(snapshot)
-        return (snapshot, None) if at >= snapshot.end else (None, snapshot)
+    def split_inside(cls, snapshot: Snapshot, at: int):
+        return None, snapshot  # a state at its end: nothing to cut
 
 
 def _window_length(snapshot: Snapshot) -> int:
