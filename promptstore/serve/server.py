@@ -664,6 +664,7 @@ class StoreHandler(mlx_server.APIHandler):
             self.close_connection = True
 
     def _post(self) -> None:
+        self.capped, self.headers_sent, self.unread = None, False, 0  # this request's, not an earlier one's
         route = self.path.split("?")[0].rstrip("/")
         self.api = apis.route(self)
         if self.api is None and route not in COMPLETIONS:
