@@ -83,7 +83,7 @@ from anchors.models import build_model
 from anchors.report import report, write_docs
 from anchors.restart import restart_phase, run_chat_and_restart
 from anchors.runs import run_fork
-from anchors.summary import sanitize_blas, save_split
+from anchors.summary import save_split
 from anchors.workloads import PROFILES
 from common import REPO_ROOT, blas_info, blas_warning, gpu_name
 
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
             "goals": goals(workloads),
             "gpu": gpu_name(),
         }
-        return save_split(out_path, payload, sanitize_blas(blas))
+        return save_split(out_path, payload, blas)
 
     with tempfile.TemporaryDirectory(prefix="anchors-") as tmp:
         tmp = Path(tmp)

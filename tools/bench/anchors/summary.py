@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -149,13 +148,3 @@ def save_split(out_path: Path, payload: dict, blas: dict) -> Path:
     if requests:
         path.with_suffix(".requests.json").write_text(json.dumps(requests, separators=(",", ":")) + "\n")
     return path
-
-
-def sanitize_blas(info: dict) -> dict:
-    """No machine-specific paths in committed results: file names only."""
-    out = dict(info)
-    out["libraries"] = sorted({os.path.basename(p) for p in info.get("libraries", [])})
-    for k in ("cblas_sgemm_from", "ld_preload"):
-        if out.get(k):
-            out[k] = " ".join(os.path.basename(p) for p in str(out[k]).split())
-    return out
