@@ -55,7 +55,7 @@ the issue's goals, each marked met or MISSED.
     python tools/bench/bench_anchors.py --profile cuda           # MLX CUDA backend
 
 Writes bench-results/anchors-<profile>.json, a PNG beside it (with
-matplotlib, through plot_anchors.py) and, for the cpu and cuda profiles,
+matplotlib, through anchors/plot.py) and, for the cpu and cuda profiles,
 docs/benchmarks.md from whichever of anchors-cpu.json / anchors-cuda.json exist.
 
 This file is the command line; what it runs lives in the package tools/bench/anchors/, a module
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         print(warning)
     print(f"\nwrote {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}")
     try:
-        from plot_anchors import plot
+        from anchors.plot import plot
 
         png = plot(path)
         print(f"wrote {png.relative_to(REPO_ROOT) if png.is_relative_to(REPO_ROOT) else png}")
