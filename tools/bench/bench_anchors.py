@@ -47,7 +47,7 @@ reply), through the public Space API.
 Reported per workload and contender: tokens prefilled, time to first token
 (TTFT) p50 / p95 over all requests and over hits, bytes on disk, restore GB/s
 next to the ceilings, and whether every reply equals the no-cache reply; then
-the issue's goals, each marked met or MISSED.
+the issue's goals, a row each: what, the figure, the goal.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         .venv/bin/python tools/bench/bench_anchors.py            # CPU, ~10 min
