@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from mlx_lm.models import cache as mlc
 
-from .harness import Contender, Outcome, tree_bytes
+from .harness import Contender, Outcome
 from .workloads import Request
 
 
@@ -74,6 +74,3 @@ class Files(Contender):
             return shared
         cache = mlc.load_prompt_cache(str(self.path(conv)))
         return shared if mlc.can_trim_prompt_cache(cache) else 0
-
-    def disk_bytes(self):
-        return tree_bytes(self.root)

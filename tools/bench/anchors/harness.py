@@ -98,6 +98,7 @@ class Engine:
 class Contender:
     name = "?"
     persistent = False
+    root: Path | None = None  # where a contender that keeps files keeps them
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -110,7 +111,8 @@ class Contender:
         return 0
 
     def disk_bytes(self) -> int:
-        return 0
+        """Bytes of every file it left under its root (0 without one)."""
+        return tree_bytes(self.root) if self.root is not None else 0
 
     def close(self) -> None:
         pass

@@ -8,7 +8,7 @@ from pathlib import Path
 from promptstore import PromptStore
 from promptstore.caches import prompt_position
 
-from .harness import Contender, Outcome, tree_bytes
+from .harness import Contender, Outcome
 from .workloads import GiB
 
 
@@ -55,9 +55,6 @@ class Store(Contender):
 
     def probe(self, req):
         return self.space.fetch(req.prompt).length
-
-    def disk_bytes(self):
-        return tree_bytes(self.root)
 
     def close(self):
         self.store.close()
