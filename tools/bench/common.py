@@ -249,11 +249,10 @@ def write_results(path: str | Path, payload: dict, blas: dict) -> Path:
     if not out.is_absolute():
         out = REPO_ROOT / out
     out.parent.mkdir(parents=True, exist_ok=True)
-    blas = dict(blas, libraries=[Path(p).name for p in blas.get("libraries", [])])
-    if blas.get("cblas_sgemm_from"):
-        blas["cblas_sgemm_from"] = Path(blas["cblas_sgemm_from"]).name
-    if blas.get("ld_preload"):
-        blas["ld_preload"] = Path(blas["ld_preload"]).name
+    blas = dict(blas, libraries=sorted({Path(p).name for p in blas.get("libraries", [])}))
+    for key in ("cblas_sgemm_from", "ld_preload"):  # LD_PRELOAD may name several
+        if blas.get(key):
+            blas[key] = " ".join(Path(p).name for p in str(blas[key]).split())
     doc = {
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
