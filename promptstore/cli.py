@@ -250,11 +250,9 @@ def _stats(args) -> int:
 
 def _store_totals(root: Path) -> dict:
     """The operator's view: totals over every namespace, nothing of any one of them."""
-    from .index import Index
+    from .store import store_totals
 
-    with Index.open(root / "index", readonly=True) as index:
-        stats = index.stats()
-        remote = _remote_figures(root, index)
+    stats, remote = store_totals(root)
     return {
         "store": str(root),
         "view": "totals over every namespace",
@@ -264,32 +262,17 @@ def _store_totals(root: Path) -> dict:
     }
 
 
-def _remote_figures(root: Path, index) -> dict | None:
-    """With a remote tier (remote_url): what this store published, and how much of it
-    is stale (gone from the server, or no longer held here)."""
-    from .config import Settings
-
-    settings = Settings.from_env()
-    if settings.remote_url is None:
-        return None
-    from .snapshots.remote.tier import connect, ledger_summary
-
-    try:
-        client = connect(settings.remote_url, settings.remote_timeout)
-        client.ping()
-    except Exception:  # unreachable: the server's columns are unknown
-        client = None
-    return ledger_summary(root, client, lambda key: index.get(key) is not None)
-
-
 def _namespace_figures(root: Path, args) -> dict:
     """One namespace's counters, found by model (and salt) or by fingerprint and salt; nothing of others."""
-    from .index import Index
+    from .store import namespace_counters
 
     salt = _salt(args)
-    with Index.open(root / "index", readonly=True) as index:
-        ns = _find_namespace(index, args, salt, root)
-        counters = index.counters(ns)
+    found = namespace_counters(
+        root, salt, args.namespace, lambda: (_load_model(args.model, Progress())[0], _model_id(args))
+    )
+    if found is None:
+        raise SettingsError(f"no namespace of this model{' and salt' if salt else ''} in the store at {root}")
+    ns, counters = found
     return {
         "store": str(root),
         "view": "one namespace",
@@ -297,36 +280,6 @@ def _namespace_figures(root: Path, args) -> dict:
         "model_id": ns.spec.model_id,
         **{k: counters.get(k, 0) for k in ("nodes", "tokens_stored", "nbytes", "hits", "misses", "tokens_served")},
     }
-
-
-def _find_namespace(index, args, salt: str | None, root: Path):
-    from .config import Settings
-    from .errors import KeyCollisionError, ReadOnlyIndexError, UnknownNamespaceError
-    from .index import Namespace
-
-    missing = SettingsError(f"no namespace of this model{' and salt' if salt else ''} in the store at {root}")
-    if args.namespace:
-        try:
-            ns = index.namespace(args.namespace)
-        except UnknownNamespaceError:
-            raise missing from None
-        # Only the salt's holder may read a salted namespace: the fingerprint covers its digest.
-        try:
-            tenant = None if salt is None else index.tenant_digest(salt, Settings.from_env().tenant_key())
-        except ReadOnlyIndexError:  # no salted namespace was ever made here
-            raise missing from None
-        if Namespace.of(ns.spec.model_copy(update={"tenant": tenant})).key != ns.key:
-            raise missing
-        return ns
-    from .store import Space
-
-    model, _ = _load_model(args.model, Progress())
-    try:
-        # Binding a read-only index finds the namespace, or refuses to create it.
-        space = Space.bind(index, None, Settings.from_env(), model, model_id=_model_id(args), salt=salt)
-    except (ReadOnlyIndexError, KeyCollisionError):
-        raise missing from None
-    return space.namespace
 
 
 LABELS = {"nbytes": "snapshot bytes", "index_bytes": "index bytes", "model_id": "model id"}

@@ -221,19 +221,19 @@ def prefill_callback(task: Task) -> Callable[[int, int], None]:
 
 def close_store(store, progress: Progress) -> None:
     """Close `store`, showing the spill of what only memory holds (close writes it all)."""
-    dirty = store.tiers.hot.dirty_entries()
-    total = sum(e.nbytes for e in dirty)
+    dirty = store.only_in_memory()
+    total = sum(dirty.values())
     if not dirty:
         store.close()
         return
     with progress.task(
         f"writing {len(dirty)} snapshot{'s' * (len(dirty) != 1)} to disk", total=total, unit="MiB"
     ) as task:
-        keys, done = {e.key for e in dirty}, threading.Event()
+        keys, done = set(dirty), threading.Event()
 
         def poll() -> None:
             while not done.wait(0.2):
-                task.update(total - sum(e.nbytes for e in store.tiers.hot.dirty_entries() if e.key in keys))
+                task.update(total - sum(n for key, n in store.only_in_memory().items() if key in keys))
 
         watcher = threading.Thread(target=poll, daemon=True)
         watcher.start()

@@ -17,6 +17,7 @@ MAP = ROOT / "docs" / "architecture.md"
 # What each part of the package may import from promptstore (besides itself), bottom-up:
 # caches, index -> snapshots -> store -> generation, console -> serve/, demo,
 # compact_cli -> cli. Leaf modules (errors, identity, config) import nothing above them.
+# What sits on the store reaches the tiers and the index only through promptstore.store.
 LAYERS = {
     "errors": set(),
     "identity": set(),
@@ -28,11 +29,10 @@ LAYERS = {
     "generation": {"caches", "store", "errors", "config"},
     "console": {"store", "errors", "config"},
     "testing": {"caches", "errors", "identity", "config"},
-    "serve": {"generation", "console", "store", "snapshots", "index", "caches", "errors", "identity", "config"},
+    "serve": {"generation", "console", "store", "caches", "errors", "identity", "config"},
     "demo": {"generation", "console", "store", "caches", "testing", "errors", "config"},
     "compact_cli": {"console", "store", "errors", "config"},
-    "cli": {"serve", "demo", "compact_cli", "generation", "console", "store", "snapshots", "index", "caches"}
-    | {"errors", "identity", "config"},
+    "cli": {"serve", "demo", "compact_cli", "generation", "console", "store", "caches", "errors", "identity", "config"},
     "__main__": {"cli"},
     "__init__": set(),  # the public names load lazily, by the name of their part
 }
@@ -69,10 +69,15 @@ def _imported_parts(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
+            base = None
             if node.level == 0:
-                names = [node.module or ""]
+                base = node.module or ""
             elif node.level > depth:  # relative, reaching the package root
-                names = [f"promptstore.{node.module}" if node.module else "promptstore"]
+                base = f"promptstore.{node.module}" if node.module else "promptstore"
+            if base == "promptstore":  # `from .. import caches`: the names are the parts
+                names = [f"promptstore.{a.name}" for a in node.names]
+            elif base is not None:
+                names = [base]
         for name in names:
             bits = name.split(".")
             if bits[0] == "promptstore" and len(bits) > 1:
@@ -89,6 +94,12 @@ def test_imports_point_one_way():
         if extra:
             wrong.append(f"{path.relative_to(ROOT)} imports {sorted(extra)}")
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_what_sits_on_the_store_reaches_it_only_through_store():
+    above = ("generation", "console", "serve", "demo", "compact_cli", "cli", "__main__")
+    reaching = {part: sorted(LAYERS[part] & {"snapshots", "index"}) for part in above}
+    assert not any(reaching.values()), f"parts above the store allowed its internals: {reaching}"
 
 
 def _module_name(path: Path) -> str:

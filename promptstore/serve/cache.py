@@ -441,11 +441,11 @@ class StoreCache:
         """The store keeps its own budgets (hot_bytes, disk_bytes): nothing to trim here."""
 
     def __len__(self) -> int:
-        return len(self.store.tiers.hot)
+        return self.store.in_memory()[0]
 
     @property
     def nbytes(self) -> int:
-        return self.store.tiers.hot.nbytes
+        return self.store.in_memory()[1]
 
     def stats_by_type(self) -> dict:
         return {"hot (promptstore nodes)": {"n_sequences": len(self), "n_bytes": self.nbytes}}

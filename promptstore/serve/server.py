@@ -27,8 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..console import model_dir
 from ..errors import GenerationFailed, PromptStoreError, ServeRequestError
-from ..snapshots import device
-from ..store import PromptStore
+from ..store import CUDA, PromptStore
 from . import apis
 from .apis.exchange import failure
 from .arrivals import ArrivalBudget, Arrivals
@@ -102,7 +101,7 @@ class StoreModelProvider(mlx_server.ModelProvider):
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         first = self.cli_args.warm_start_first
         warming = self.cache.store.warming
-        if (device.CUDA if first is None else first) and warming is not None:
+        if (CUDA if first is None else first) and warming is not None:
             # Measured on an H100 (a probe of the store's warm start and mlx-lm's
             # batches, one process each way): a warm start still reading while
             # the model's weights were made left later batches over its caches
@@ -1122,11 +1121,11 @@ def attention_kernels(cudnn: bool | None, environ=os.environ) -> None:
     meets it; MLX's own need no building. None: MLX's own unless the operator
     set the variable."""
     if cudnn is None:
-        if not device.CUDA or CUDNN_SDPA in environ:
+        if not CUDA or CUDNN_SDPA in environ:
             return
         cudnn = False
     environ[CUDNN_SDPA] = "1" if cudnn else "0"
-    if device.CUDA:
+    if CUDA:
         log.info(
             "attention: %s", "cuDNN's kernels" if cudnn else "MLX's own kernels (--cudnn-attention to use cuDNN's)"
         )

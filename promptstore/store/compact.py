@@ -30,7 +30,6 @@ from ..errors import (
 )
 from ..index import Index
 from ..snapshots.cold import TEMP_MARK
-from ..snapshots.remote.tier import prune_ledger
 from .compact_report import CompactReport
 from .store import PromptStore
 
@@ -268,7 +267,7 @@ class Compactor:
                         self.tick("merge chains")
 
     def _join(self, ns, node, child) -> bool:
-        if node.record.nbytes + child.record.nbytes > self.tiers.settings.node_bytes:
+        if node.record.nbytes + child.record.nbytes > self.store.settings.node_bytes:
             return False  # a chain of nodes of about node_bytes reads side by side
         if not (node.record.file and child.record.file):
             return False  # data only in another process's memory: it files it
@@ -332,14 +331,11 @@ class Compactor:
     def remote_ledger(self) -> None:
         """With a remote tier: forget published blobs the server no longer has, and
         report what this store published and what of it is stale."""
-        remote = self.tiers.remote
-        if remote is None:
-            return
-        if not self.dry and remote.available():
-            dropped = prune_ledger(self.store.path, remote.client)
+        if not self.dry:
+            dropped = self.tiers.prune_remote_ledger()
             if dropped:
                 self.report.add("forget", "remote ledger", "remote blobs gone from the server", files=dropped)
-        self.report.remote = remote.summary(lambda key: self.index.get(key) is not None)
+        self.report.remote = self.tiers.remote_summary(lambda key: self.index.get(key) is not None)
 
     @property
     def idle(self) -> bool:

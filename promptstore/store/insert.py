@@ -219,9 +219,9 @@ class Inserter:
                 continue
             snaps = self._snap_node(cache, node, position)
             record = self._record(snaps, None, node.end - node.start)
-            if self.tiers.filing.refile(node.id, None, record):
+            if self.tiers.refile(node.id, None, record):
                 self._put(node.id, snaps, record.prefill_seconds)
-                self.tiers.counts["healed"] += 1
+                self.tiers.count("healed")
 
     def _snap_node(self, cache, node: Node, position: int) -> list:
         snaps = self._snap_span(cache, node.start, position)
@@ -252,7 +252,7 @@ class Inserter:
             return 0
         record = self._record(new, prefill_seconds, end - start) if new is not None else None
         with self._phase("index"):
-            result = self.tiers.filing.commit_insert(planned, record, split_records)
+            result = self.tiers.commit_insert(planned, record, split_records)
         if len(toks) == position:
             self._count_checkpoint(position, new if new is not None else uppers if planned.split is not None else None)
         if planned.split is not None:
@@ -359,7 +359,7 @@ class Inserter:
             if any(s is None or not s.complete for s in merged):
                 return
             new_record = self._record(merged, record.prefill_seconds, 0)
-            if not self.tiers.filing.refile(node.id, record.file, new_record.model_copy(update={"file": None})):
+            if not self.tiers.refile(node.id, record.file, new_record.model_copy(update={"file": None})):
                 raise _NodeChanged()  # another process changed it: plan the insert again
             self.tiers.forget(node.key)
             self._put(node.id, merged, record.prefill_seconds)

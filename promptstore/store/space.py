@@ -182,7 +182,7 @@ class Space:
         """`hit` as this namespace's last, counted in its stats and the store's metrics."""
         self._account(nodes, **counts)
         self.last_hit = hit.figures()
-        self.tiers.meter.fetched(self.model_label, prompt_tokens, hit)
+        self.tiers.fetched(self.model_label, prompt_tokens, hit)
         return hit
 
     def _tokens(self, tokens):
@@ -281,8 +281,7 @@ class Space:
         path: this prompt's nodes in the trie, matched to their end; a remote node
         the same as one of them is read here, not fetched.
         """
-        remote = self.tiers.remote
-        if remote is None or len(toks) - 1 - length < MIN_REMOTE_GAIN:
+        if len(toks) - 1 - length < MIN_REMOTE_GAIN:
             return None
         ns = self.namespace.key
         spans = {(n.start, n.end): n for n in path}
@@ -291,7 +290,7 @@ class Space:
             node = spans.get((link.start, link.end))
             return None if node is None else self.tiers.get(node)
 
-        got = remote.fetch(ns, toks[:-1], length, lambda end: prefix_key(ns, toks[:end]), held)
+        got = self.tiers.fetch_remote(ns, toks[:-1], length, lambda end: prefix_key(ns, toks[:end]), held)
         links, snaps, target = (got.links, got.snapshots, got.length) if got else ([], [], 0)
         while links:
             end = min(target, links[-1].end)
@@ -301,7 +300,7 @@ class Space:
                 if self.restorer.restored(cache, chains, end, None) and self.inserter.keep_remote(
                     toks[:end], cache, got, length
                 ):
-                    self.tiers.counts["remote_tokens"] += end
+                    self.tiers.count("remote_tokens", end)
                     fetched = sum(
                         min(link.end, end) - link.start for link, f in zip(links, got.fetched) if f and link.start < end
                     )

@@ -106,12 +106,7 @@ class PromptStore:
         the tokens they restored by tier, evictions, files written, quarantines), its
         size against the budgets, and the warm start's progress (promptstore.store.metrics)."""
         stats = self.index.stats()  # raises IndexStoreError once closed
-        remote = self.tiers.remote.counts if self.tiers.remote is not None else {}
-        return self.tiers.meter.snapshot(
-            remote_written=remote.get("remote_published", 0),
-            remote_written_bytes=remote.get("remote_published_bytes", 0),
-            hot_nodes=len(self.tiers.hot),
-            hot_bytes=self.tiers.hot.nbytes,
+        return self.tiers.metrics(
             hot_budget_bytes=self.settings.hot_bytes,
             stored_nodes=stats["nodes"],
             stored_bytes=stats["nbytes"],
@@ -123,7 +118,15 @@ class PromptStore:
         """Background spills pause between chunks while `busy()` is true (a server:
         requests wait for their first tokens), at most `at_most` seconds per spill;
         None: they never pause (the default)."""
-        self.tiers.writer.give_way(busy, at_most)
+        self.tiers.give_way(busy, at_most)
+
+    def in_memory(self) -> tuple[int, int]:
+        """Nodes, and their bytes, this process holds in memory (the hot tier)."""
+        return self.tiers.in_memory()
+
+    def only_in_memory(self) -> dict[bytes, int]:
+        """Nodes in memory not on disk yet (close spills them), by key: their bytes."""
+        return self.tiers.only_in_memory()
 
     def flush(self) -> None:
         """Wait for queued spills."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, defaultdict, deque
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,13 +24,13 @@ from ..caches import Snapshot, drop_states, present_layers
 from ..config import Settings
 from ..errors import ColdFileError, CorruptRecordError, IndexStoreError, PromptStoreError
 from ..identity import NodeId
-from ..index import Index, Node
+from ..index import Index, InsertPlan, InsertResult, Node, NodeRecord
 from ..snapshots import ColdTier, HotTier, SpillJob, Writer
 from ..snapshots.cold import PendingLoad
-from ..snapshots.remote import LocalLink, PublishItem, RemoteTier
+from ..snapshots.remote import LocalLink, PublishItem, RemoteHit, RemoteTier, prune_ledger
 from .eviction import evict_tenant
 from .filing import Filing, filed
-from .metrics import Meter, Report
+from .metrics import Meter, Report, StoreMetrics
 
 log = logging.getLogger("promptstore.store")
 
@@ -111,6 +111,21 @@ class Tiers:
             return None
         return PublishItem(node.namespace, np.concatenate([n.tokens for n in path]), links)
 
+    def fetch_remote(self, namespace: bytes, tokens, beyond: int, node_key, held) -> RemoteHit | None:
+        """The remote tier's deepest prefix of `tokens` past `beyond` (RemoteTier.fetch); None without one."""
+        return None if self.remote is None else self.remote.fetch(namespace, tokens, beyond, node_key, held)
+
+    def prune_remote_ledger(self) -> int:
+        """Forget published blobs the server no longer has; how many (0 without a
+        remote tier, or while the server is down)."""
+        if self.remote is None or not self.remote.available():
+            return 0
+        return prune_ledger(self.cold.root.parent, self.remote.client)
+
+    def remote_summary(self, node_exists: Callable[[bytes], bool]) -> dict | None:
+        """What this store published and what of it is stale (RemoteTier.summary); None without a remote tier."""
+        return None if self.remote is None else self.remote.summary(node_exists)
+
     # --- placing ------------------------------------------------------------------
 
     def put(self, node: NodeId, snapshots: list[Snapshot], prefill_seconds: float = 0.0) -> None:
@@ -137,6 +152,14 @@ class Tiers:
     def _count_evicted(self, entries) -> None:
         if entries:
             self.meter.evicted("hot", len(entries), sum(e.nbytes for e in entries))
+
+    def commit_insert(self, plan: InsertPlan, record: NodeRecord | None, split_records) -> InsertResult:
+        """An insert's new node and split halves into the index (Filing.commit_insert)."""
+        return self.filing.commit_insert(plan, record, split_records)
+
+    def refile(self, node: NodeId, old_file: str | None, record: NodeRecord) -> bool:
+        """Replace a node's record while it still names `old_file` (Filing.refile)."""
+        return self.filing.refile(node, old_file, record)
 
     def tenant(self, namespace: bytes) -> Hashable:
         """Whose budgets a namespace's nodes count against: its tenant digest (None
@@ -339,6 +362,14 @@ class Tiers:
         if error.reason != "missing":  # a missing file is only unfiled
             self.meter.add(quarantined_files=1)
 
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to one of this process's counters (healed nodes, remote tokens, ...)."""
+        self.counts[name] += n
+
+    def fetched(self, model: str, prompt_tokens: int, hit) -> None:
+        """A counted fetch, for PromptStore.metrics() (Meter.fetched)."""
+        self.meter.fetched(model, prompt_tokens, hit)
+
     def report(self, reason: str, key: bytes, detail: str) -> None:
         self.counts[f"miss_{reason}"] += 1
         self.reports.append(Report(reason, key.hex(), detail))
@@ -371,6 +402,34 @@ class Tiers:
         self.report("disk", key, str(job.error))
 
     # --- budgets and shutdown -------------------------------------------------------
+
+    def give_way(self, busy: Callable[[], bool] | None, at_most: float = 1.0) -> None:
+        """Spills pause between chunks while `busy()` is true (Writer.give_way)."""
+        self.writer.give_way(busy, at_most)
+
+    def in_memory(self) -> tuple[int, int]:
+        """Nodes, and their bytes, in the hot tier."""
+        return len(self.hot), self.hot.nbytes
+
+    def hot_used(self, tenant: Hashable) -> int:
+        """Bytes of a tenant's nodes in the hot tier."""
+        return self.hot.used[tenant]
+
+    def only_in_memory(self) -> dict[bytes, int]:
+        """Nodes the hot tier holds that are not on disk yet (a close spills them), by key: their bytes."""
+        return {e.key: e.nbytes for e in self.hot.dirty_entries()}
+
+    def metrics(self, **figures) -> StoreMetrics:
+        """What the meter counted, with the tiers' sizes and remote counts; `figures`: the rest."""
+        remote = self.remote.counts if self.remote is not None else {}
+        nodes, nbytes = self.in_memory()
+        return self.meter.snapshot(
+            remote_written=remote.get("remote_published", 0),
+            remote_written_bytes=remote.get("remote_published_bytes", 0),
+            hot_nodes=nodes,
+            hot_bytes=nbytes,
+            **figures,
+        )
 
     def flush(self) -> None:
         """Wait for queued spills; retry ones the disk refused."""

@@ -10,7 +10,7 @@ from promptstore.serve.warmup import read_libraries, runtime_libraries
 
 @pytest.mark.parametrize("cuda", [False, True])
 def test_attention_kernels_on_cuda_are_mlx_own_unless_the_operator_chose(monkeypatch, cuda):
-    monkeypatch.setattr(server.device, "CUDA", cuda)
+    monkeypatch.setattr(server, "CUDA", cuda)
     parse = lambda *flags: build_parser().parse_args(["--model", "m", *flags]).cudnn_attention  # noqa: E731
     assert (parse(), parse("--cudnn-attention"), parse("--no-cudnn-attention")) == (None, True, False)
     env: dict[str, str] = {}
