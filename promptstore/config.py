@@ -55,10 +55,11 @@ class Settings(BaseModel):
         description="on open, read the most recently used nodes into memory in the background, up to hot_bytes "
         "per tenant (on for promptstore serve)",
     )
-    cold_plan: Literal["auto", "load", "recompute", "split"] = Field(
+    cold_plan: Literal["auto", "load", "recompute", "overlap"] = Field(
         "auto",
         description="how a hit with nodes on disk is served: auto (the quickest by the rates measured for the "
-        "namespace), load, recompute, or split (prefill the first nodes while reading the rest)",
+        "namespace), load, recompute, or overlap (prefill the first nodes while reading the rest); split, "
+        "its former name, is still accepted and read as overlap (deprecated)",
     )
     node_bytes: int = Field(
         GiB,
@@ -97,6 +98,17 @@ class Settings(BaseModel):
         if not 0 <= mode <= 0o777 or mode & need != need:
             raise ValueError(f"{oct(mode)}: a permission mode (at most 0o777) that includes {oct(need)}")
         return mode
+
+    @field_validator("cold_plan", mode="before")
+    @classmethod
+    def _cold_plan_alias(cls, plan: Any) -> Any:
+        # "split" was the overlap plan's name; the word now means only splitting a node.
+        if plan == "split":
+            if "cold_plan=split" not in _warned:
+                _warned.add("cold_plan=split")
+                log.warning("cold_plan split is deprecated and read as overlap; set cold_plan to overlap")
+            return "overlap"
+        return plan
 
     @field_validator("remote_url")
     @classmethod

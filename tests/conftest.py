@@ -17,7 +17,7 @@ from promptstore import caches as C
 from promptstore.testing import models
 
 # Cold hits load their nodes unless a test says otherwise: which of load, recompute
-# or split is quickest depends on rates this busy machine measures as it runs, so
+# or overlap is quickest depends on rates this busy machine measures as it runs, so
 # tests of what a cold hit restores pin it; the plan's own tests set cold_plan.
 os.environ.setdefault("PROMPTSTORE_COLD_PLAN", "load")
 

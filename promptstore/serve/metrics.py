@@ -66,7 +66,7 @@ class ServeMetrics:
         self.restored_tokens = Counter(
             "promptstore_restored_tokens",
             "Prompt tokens restored from the store (the cached_tokens responses report), by source: "
-            "hot (memory), cold (disk), remote, computed (the head of a split cold hit)",
+            "hot (memory), cold (disk), remote, computed (the head of an overlap cold hit)",
             [*m, "source"],
             registry=r,
         )

@@ -18,8 +18,8 @@ class Hit:
         should call `space.insert(tokens[:p], cache)`.
     remote_tokens: of `length`, tokens restored from the remote tier (0: none).
     computed: of `length`, tokens fetch prefilled itself while it read the rest
-        from disk (a split cold hit; see restore.py).
-    plan: how a hit with nodes on disk was served (load, recompute, split), None
+        from disk (an overlap cold hit; see restore.py).
+    plan: how a hit with nodes on disk was served (load, recompute, overlap), None
         when every node was in memory.
     nbytes: bytes of the stored nodes the hit restored from (fetched, for a
         remote hit).

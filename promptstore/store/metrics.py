@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 TIERS = ("hot", "cold", "remote")
 # Where a hit's tokens came from: a tier, or computed by the fetch itself (a cold
-# hit whose plan prefilled its head while the rest was read: cold_plan split).
+# hit whose plan prefilled its head while the rest was read: cold_plan overlap).
 SOURCES = (*TIERS, "computed")
 
 

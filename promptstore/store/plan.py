@@ -14,10 +14,10 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, model_validator
 
 from ..index import Index, Namespace
 
@@ -38,15 +38,26 @@ class Rates(BaseModel):
         in the page cache (warm) or not (disk).
     place: (bytes, seconds) of restoring read bytes into a cache (a join, and on
         a GPU the move to its memory).
-    split: (estimated, actual) seconds of split hits: how far overlapping a
-        prefill with reads departs from the estimate.
+    overlap: (estimated, actual) seconds of overlap hits: how far overlapping a
+        prefill with reads departs from the estimate. Kept under "split" by
+        stores before the plan's rename, and read from there.
     """
 
     prefill: list[tuple[int, int, float]] = []
     warm: list[tuple[int, float]] = []
     disk: list[tuple[int, float]] = []
     place: list[tuple[int, float]] = []
-    split: list[tuple[float, float]] = []
+    overlap: list[tuple[float, float]] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        # Rates kept before the overlap plan's rename name its samples "split".
+        if isinstance(data, dict) and "split" in data:
+            data = dict(data)
+            old = data.pop("split")
+            data.setdefault("overlap", old)
+        return data
 
     def add(self, kind: str, *sample) -> None:
         if sample[-1] > 0:
@@ -77,9 +88,9 @@ class Rates(BaseModel):
     def place_seconds(self, nbytes: int) -> float:
         return nbytes / self.bytes_per_s("place")
 
-    def split_factor(self) -> float:
-        """Actual over estimated seconds of past split hits (1 before any)."""
-        return float(np.median([a / e for e, a in self.split])) if self.split else 1.0
+    def overlap_factor(self) -> float:
+        """Actual over estimated seconds of past overlap hits (1 before any)."""
+        return float(np.median([a / e for e, a in self.overlap])) if self.overlap else 1.0
 
     def prefill_seconds(self, lo: int, hi: int) -> float | None:
         """Seconds to prefill [lo, hi): t = c1 * tokens + c2 * attention pairs,
@@ -149,13 +160,13 @@ class Choice:
     """How a hit with cold nodes is served.
 
     mode: "load" (read every cold node), "recompute" (serve the part held in
-        memory; the caller prefills the rest), "split" (prefill [held end, at)
+        memory; the caller prefills the rest), "overlap" (prefill [held end, at)
         while the nodes from `at` on are read).
     at: the first position read from disk ("recompute": the end of the held part).
     estimates: seconds each option was expected to take (absent: not known).
     """
 
-    mode: Literal["load", "recompute", "split"]
+    mode: Literal["load", "recompute", "overlap"]
     at: int
     estimates: dict[str, float] = field(default_factory=dict)
 
@@ -163,7 +174,7 @@ class Choice:
 def choose(rates: Rates, base: int, cold: list[ColdNode], mode: str = "auto", margin: float = 0.05) -> Choice:
     """The quickest way to a hit whose nodes from position `base` on are `cold`.
 
-    mode: "auto" (the quickest), or the mode to take ("split": at its best point).
+    mode: "auto" (the quickest), or the mode to take ("overlap": at its best point).
     margin: the share of the load time another plan must save to be taken.
     Until both a prefill and a read have been measured, "auto" loads.
     """
@@ -172,30 +183,30 @@ def choose(rates: Rates, base: int, cold: list[ColdNode], mode: str = "auto", ma
     load += rates.place_seconds(sum(n.nbytes for n in cold))
     recompute = rates.prefill_seconds(base, end)
     estimates = {"load": load} | ({"recompute": recompute} if recompute is not None else {})
-    splits = {}
+    overlaps = {}
     for i in range(1, len(cold)):
         head = rates.prefill_seconds(base, cold[i].start)
         if head is None:
             break
         tail = cold[i:]
         read = rates.read_seconds(sum(n.resident for n in tail), sum(n.nbytes - n.resident for n in tail))
-        splits[cold[i].start] = max(head, read) * rates.split_factor() + rates.place_seconds(
+        overlaps[cold[i].start] = max(head, read) * rates.overlap_factor() + rates.place_seconds(
             sum(n.nbytes for n in tail)
         )
-    estimates.update({f"split@{at}": t for at, t in splits.items()})
+    estimates.update({f"overlap@{at}": t for at, t in overlaps.items()})
     measured = rates.warm or rates.disk
     if mode == "load" or (mode == "auto" and (recompute is None or not measured)):
         return Choice("load", base, estimates)  # loading is how reads get measured at all
     if mode == "recompute":
         return Choice("recompute", base, estimates)
-    if mode == "split":
-        at = min(splits, key=splits.get) if splits else (cold[len(cold) // 2].start if len(cold) > 1 else None)
-        return Choice("split", at, estimates) if at is not None else Choice("load", base, estimates)
+    if mode == "overlap":
+        at = min(overlaps, key=overlaps.get) if overlaps else (cold[len(cold) // 2].start if len(cold) > 1 else None)
+        return Choice("overlap", at, estimates) if at is not None else Choice("load", base, estimates)
     best, at, best_s = "load", base, load * (1 - margin)
-    if splits:
-        split_at = min(splits, key=splits.get)
-        if splits[split_at] < best_s:
-            best, at, best_s = "split", split_at, splits[split_at]
+    if overlaps:
+        overlap_at = min(overlaps, key=overlaps.get)
+        if overlaps[overlap_at] < best_s:
+            best, at, best_s = "overlap", overlap_at, overlaps[overlap_at]
     if recompute <= best_s:  # a hit is never slower than no cache
         best, at = "recompute", base
     return Choice(best, at, estimates)

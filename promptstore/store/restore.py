@@ -69,7 +69,7 @@ class Restorer:
         if choice.mode == "recompute":
             got = self.restore_path(cache, path[:held], base) if held else None
             return _restored(got, choice) or Restored(0, 0, [], choice=choice)
-        if choice.mode == "split":
+        if choice.mode == "overlap":
             done = self._overlap(cache, path, held, base, choice, tokens, end)
             if done is not None:
                 return done
@@ -149,9 +149,9 @@ class Restorer:
                 length, used = target, first + len(tail)
                 if target == tail[-1].end:
                     self.tiers.restored_from(tail[-1].key)
-        estimate = choice.estimates.get(f"split@{choice.at}")
+        estimate = choice.estimates.get(f"overlap@{choice.at}")
         if estimate and length == end:
-            rates.add("split", estimate / rates.split_factor(), time.perf_counter() - started)
+            rates.add("overlap", estimate / rates.overlap_factor(), time.perf_counter() - started)
         return Restored(length, used, from_disk, computed, choice)
 
     def _prefill(self, cache, tokens, lo: int, hi: int) -> None:

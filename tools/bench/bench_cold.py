@@ -2,7 +2,7 @@
 
 Side by side in one run, on one model (mlx-lm's llama with random weights) and
 prefixes of several lengths: time to first token (TTFT) of a full prefill, of a
-hot hit, and of cold hits served by each plan (load, recompute, split, and auto,
+hot hit, and of cold hits served by each plan (load, recompute, overlap, and auto,
 the store's own choice) with the page cache warm and dropped; a cold restore
 alone against mx.load of the same bytes; restore GB/s beside the host's limits
 (page cache and disk read by dd and by the reading threads' pattern, memcpy,
@@ -63,7 +63,7 @@ from promptstore.snapshots.page_cache import resident_bytes  # noqa: E402
 from promptstore.testing.models import tiny_model  # noqa: E402
 
 MODEL_ID = "bench-cold"
-PLANS = ("load", "recompute", "split", "auto")
+PLANS = ("load", "recompute", "overlap", "auto")
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def sweep(root: Path, model, tokens: list[int], p: Profile, drop: str, kv_bytes:
         paths[name]()
     # Paths with the page cache warm run before those that drop it, in each round:
     # in one rotating order, each plan's warm run always came right after the same
-    # path's drop of the page cache (auto's after split's: 7-8 ms more of an 8k
+    # path's drop of the page cache (auto's after overlap's: 7-8 ms more of an 8k
     # fetch on an H200, in two runs of three), which no warm-up of the files undid.
     dropped = [name for name in paths if name.endswith("/dropped")]
     runs = alternate(paths, runs, before, [[n for n in paths if n not in dropped], dropped])

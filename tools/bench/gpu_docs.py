@@ -21,7 +21,7 @@ COLD_RUNS = (
     ),
     (
         "archive/2026-11/cold-cuda-rotating-order.json",
-        "that H200, the bench's earlier order: auto's warm runs always right after split's drop of the page cache",
+        "that H200, the bench's earlier order: auto's warm runs always right after overlap's drop of the page cache",
     ),
     ("archive/2026-11/cold-cuda-32k.json", "that H200, the 32k prefix alone (`--prefixes 32768`)"),
     ("archive/2026-11/cold-cuda-short-2.json", "that H200, the 2k and 8k prefixes only, 15 runs a cell"),
@@ -33,6 +33,7 @@ COLD_RUNS = (
     ("archive/2026-11/cold-cuda-run2.json", "second run, a second H100 machine"),
     ("archive/2026-11/cold-cuda-run1.json", "first run"),
 )
+OLD_PLANS = {"split": "overlap"}  # plan names in result files, as they are called now
 SERVE_RUNS = (
     ("serve-cuda.json", "an H100; the code at 5078ef6, the first of three runs in a row in one machine session"),
     ("archive/2026-11/serve-cuda-2.json", "the same code, the second run of that machine session"),
@@ -224,18 +225,21 @@ def cold_section(name: str, what: str, doc: dict) -> str:
         lines.append("The host, measured in the same run: " + ", ".join(f"{k} {v:.2f}" for k, v in lim.items()) + ".")
     lines += [
         "",
-        "| prefix | page cache | load | recompute | split | auto | auto vs the best |",
+        "| prefix | page cache | load | recompute | overlap | auto | auto vs the best |",
         "|---|---|---|---|---|---|---|",
     ]
     cells: dict[tuple, dict] = {}
     for c in doc["sweep"]:
-        cells.setdefault((c["prefix"], c["page_cache"]), {})[c["plan"]] = c
+        # Runs before the rename name the overlap plan "split".
+        cells.setdefault((c["prefix"], c["page_cache"]), {})[OLD_PLANS.get(c["plan"], c["plan"])] = c
     for (prefix, page), plans in cells.items():
         best = min(c["ttft_s"] for c in plans.values())
         row = [f"{prefix:,}", page]
-        for plan in ("load", "recompute", "split", "auto"):
+        for plan in ("load", "recompute", "overlap", "auto"):
             c = plans.get(plan)
-            row.append("-" if c is None else f"{ms(c['ttft_s'])} ({'/'.join(c['plans_taken'])})")
+            row.append(
+                "-" if c is None else f"{ms(c['ttft_s'])} ({'/'.join(OLD_PLANS.get(t, t) for t in c['plans_taken'])})"
+            )
         row.append(f"{plans['auto']['ttft_s'] / best:.2f}x" if "auto" in plans else "-")
         lines.append("| " + " | ".join(row) + " |")
     lines += [
@@ -321,6 +325,7 @@ def sections(results: Path) -> str:
     head = (
         "## NVIDIA GPU: the cold tier and a server restart\n\n"
         "Rendered from the result files of `tools/bench/bench_cold.py` and `tools/bench/bench_serve.py`; "
-        "each section names the command that made it. docs/cold.md and docs/serve.md discuss them."
+        "each section names the command that made it. docs/cold.md and docs/serve.md discuss them. "
+        "Their cold plan overlap (called split then) is shown by its name now."
     )
     return "\n\n".join([head, *parts])
