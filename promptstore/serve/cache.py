@@ -96,6 +96,9 @@ class _Waiting:
     owners: frozenset  # the requests whose tokens these are (at most one part of each request's prompt waits)
     asked: list[int]  # a finished request's prompt: its next turn goes on with it
 
+    def said(self) -> str:
+        return f"{self.n_tokens} tokens ({self.cache_type})"
+
 
 @dataclass
 class _Pending:
@@ -327,12 +330,12 @@ class StoreCache:
             if self._run(item):
                 stored += 1
             else:
-                failed.append(f"{item.n_tokens} tokens ({item.cache_type})")
+                failed.append(item.said())
         return stored, failed
 
-    def waiting(self) -> list[tuple[int, str]]:
-        """(tokens, kind) of every insert still waiting."""
-        return [(item.n_tokens, item.cache_type) for item in (*self._deferred, *self._background)]
+    def waiting(self) -> list[str]:
+        """Every insert still waiting, as the closing line names one."""
+        return [item.said() for item in (*self._deferred, *self._background)]
 
     def _run(self, item: _Waiting) -> bool:
         try:

@@ -313,8 +313,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
             warming.stop(timeout=0)  # a model waiting for it (--warm-start-first) waits no more
         self._generation_thread.join()
         if self.closed_inserts is None:  # the loop had stopped already: nothing ran what waits
-            waiting = self.store_cache.waiting()
-            self.closed_inserts = (0, [f"{n} tokens ({why})" for n, why in waiting])
+            self.closed_inserts = (0, self.store_cache.waiting())
 
     def _close_here(self) -> bool:
         """On the generation thread, once closing: when no request is in flight
@@ -754,11 +753,13 @@ class StoreHandler(mlx_server.APIHandler):
 
     def _set_completion_headers(self, status_code: int = 200):
         super()._set_completion_headers(status_code)
-        if self.capped is not None and status_code == 200:
-            self.send_header("X-Max-Tokens-Capped", self.capped)
+        self._say_capped(status_code)
 
     def _set_stream_headers(self, status_code: int = 200):
         super()._set_stream_headers(status_code)
+        self._say_capped(status_code)
+
+    def _say_capped(self, status_code: int) -> None:
         if self.capped is not None and status_code == 200:
             self.send_header("X-Max-Tokens-Capped", self.capped)
 
@@ -796,10 +797,10 @@ class StoreHandler(mlx_server.APIHandler):
         self.requested_draft_model = body.draft_model or "default_model"
         self.num_draft_tokens = given(body.num_draft_tokens, args.num_draft_tokens)
         self.adapter = body.adapters
-        ceiling = getattr(body, "max_completion_tokens", None)
+        completion = getattr(body, "max_completion_tokens", None)  # chat's newer name, which wins
         self.max_tokens = self.check_max_tokens(
-            given(ceiling, given(body.max_tokens, args.max_tokens)),
-            "max_completion_tokens" if ceiling is not None else "max_tokens",
+            given(completion, given(body.max_tokens, args.max_tokens)),
+            "max_completion_tokens" if completion is not None else "max_tokens",
         )
         self.temperature = given(body.temperature, args.temp)
         self.top_p, self.top_k, self.min_p = (
