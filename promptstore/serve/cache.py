@@ -220,10 +220,27 @@ class StoreCache:
         return tracked, (hit.checkpoints if hit is not None else ())
 
     def _fetch(self, tenant: Tenant, tokens: list[int], boundaries) -> Hit | None:
+        """The longest hit of `tokens` among this model's namespaces, restoring in
+        one: with --kv-bits the index says first which namespace holds more (a
+        lookup, nothing read), and only that one restores, unless its hit falls
+        short of what the other's index promised (a file gone bad, say)."""
+        spaces = self.spaces(tenant)
+        points = [p for p in boundaries if 0 < p < len(tokens)]
         best = None
         try:
-            for space in self.spaces(tenant):
-                hit = space.fetch(tokens, checkpoints=[p for p in boundaries if 0 < p < len(tokens)])
+            if len(spaces) > 1 and not self.store.has_remote:
+                promised = [space.restorable_length(tokens[:-1]) for space in spaces]
+                order = sorted(range(len(spaces)), key=lambda i: (-promised[i], i))
+                spaces = [spaces[i] for i in order]
+                promised = [promised[i] for i in order]
+                best = spaces[0].fetch(tokens, checkpoints=points)
+                for space, length in zip(spaces[1:], promised[1:]):
+                    if length > best.length:
+                        hit = space.fetch(tokens, checkpoints=points)
+                        best = hit if hit.length > best.length else best
+                return best
+            for space in spaces:
+                hit = space.fetch(tokens, checkpoints=points)
                 if best is None or hit.length > best.length:
                     best = hit
         except PromptStoreError as e:

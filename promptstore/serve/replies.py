@@ -61,7 +61,7 @@ def _spliced(tokenizer, turn: ChatTurn, messages: list[dict], prompt: list[int])
     try:
         before = tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True, **kwargs)
         after = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
-        specials = _plain_special_tokens(tokenizer)
+        specials = plain_special_tokens(tokenizer)
     except Exception:  # a template or tokenizer this cannot read: render all
         return None
     if not isinstance(before, str) or not isinstance(after, str) or not specials:
@@ -84,7 +84,7 @@ def _spliced(tokenizer, turn: ChatTurn, messages: list[dict], prompt: list[int])
     return None
 
 
-def _plain_special_tokens(tokenizer) -> dict[int, str]:
+def plain_special_tokens(tokenizer) -> dict[int, str]:
     """{id: text} of the tokenizer's added tokens that match their text exactly
     (no whitespace stripped around them, no normalization)."""
     inner = getattr(tokenizer, "_tokenizer", tokenizer)
@@ -111,9 +111,16 @@ def _nth(text: str, sub: str, n: int) -> int | None:
 
 
 def common_prefix(a, b) -> int:
-    """Length of the longest common prefix of two sequences (token lists, strings)."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    """Length of the longest common prefix of two sequences (token lists, strings):
+    a binary search over slices compared whole (a chat's 20k characters in tens of
+    microseconds; compared item by item in Python, about a millisecond)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -35,6 +35,7 @@ from .cache import StoreCache, split_segments
 from .door import drain, read_body
 from .metrics import HitFigures, MetricsAccess, ServeMetrics, load_metrics_key
 from .options import build_parser, store_settings
+from .pieces import Pieces, PieceTokenizer
 from .replies import ChatTurn
 from .schemas import ChatCompletionBody, CompletionBody, checked
 from .tenants import PUBLIC, KeyRing, Tenant, load_api_keys
@@ -116,7 +117,14 @@ class StoreModelProvider(mlx_server.ModelProvider):
         self.max_positions = getattr(args, "max_position_embeddings", None)
         vocab = [len(self.tokenizer._tokenizer), getattr(args, "vocab_size", None)]
         self.vocab_size = min(v for v in vocab if v)
-        self.cache.attach(self.model, self.tokenizer, self.draft_model, self.model_key, self.cli_args.prefill_step_size)
+        self.pieces = Pieces(self.tokenizer)  # a chat's unchanged messages are not tokenized again
+        self.cache.attach(
+            self.model,
+            self.piecewise(self.tokenizer),
+            self.draft_model,
+            self.model_key,
+            self.cli_args.prefill_step_size,
+        )
         if self.cli_args.kernel_warm_up and self.draft_model is None:
             self._warm_up()
         libraries = runtime_libraries() if self.cli_args.read_gpu_libraries else []
@@ -124,6 +132,11 @@ class StoreModelProvider(mlx_server.ModelProvider):
             files, nbytes, seconds = read_libraries(libraries)
             log.info("GPU runtime libraries: %d files, %.2f GB read in %.2f s", files, nbytes / 1e9, seconds)
         self.ready = True
+
+    def piecewise(self, tokenizer):
+        """`tokenizer`, rendering chats through the pieces kept (serve/pieces.py)."""
+        pieces = getattr(self, "pieces", None)
+        return tokenizer if pieces is None or pieces.tokenizer is not tokenizer else PieceTokenizer(tokenizer, pieces)
 
     def _warm_up(self) -> None:
         """Run a small batch as a restarted server's first round runs (on the
@@ -460,6 +473,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         tokenizer = self.model_provider.tokenizer
         if tokenizer is None:
             raise ServeRequestError("the model is still loading; retry shortly", status=503)
+        tokenizer = self.model_provider.piecewise(tokenizer)
         self._check_length(tokenizer, request)
         if request.request_type == "text":
             prompt = self._text_tokens(tokenizer, request.prompt)

@@ -103,8 +103,11 @@ class Inserter:
             if position:
                 self._check_arrays(cache)
             stored = 0
-            for end, piece, seconds in self._pieces(toks, cache, prefill_seconds):
-                stored += self._insert_node(toks[:end], cache, seconds, position, piece)
+            pieces, planned = self._pieces(toks, cache, prefill_seconds)
+            for end, piece, seconds in pieces:
+                # A whole span is one node: its first try commits the plan just read.
+                stored += self._insert_node(toks[:end], cache, seconds, position, piece, planned)
+                planned = None
         finally:
             self._phases.phases = None  # a failed insert leaves nothing collecting
         self._phases.last = phases
@@ -130,16 +133,17 @@ class Inserter:
     def _pieces(self, toks: np.ndarray, cache, prefill_seconds: float | None):
         """(end, its snapshots or None, prefill seconds) of each node to insert: one
         for the whole span unless it holds more than `node_bytes`, then a chain of
-        nodes ending at multiples of a step (the last at the end of `toks`)."""
+        nodes ending at multiples of a step (the last at the end of `toks`); and
+        the plan read, for the first node's commit when the span is one node."""
         with self._phase("plan"):
-            start, end = self.index.plan_insert(self.namespace, toks).span
-        whole = [(len(toks), None, prefill_seconds)]
+            planned = self.index.plan_insert(self.namespace, toks)
+        start, end = planned.span
         if end - start < 2:
-            return whole
+            return [(len(toks), None, prefill_seconds)], planned
         snaps = self._snap_span(cache, start, end)
         nbytes = C.node_nbytes(snaps)
         if nbytes <= self.settings.node_bytes:
-            return [(len(toks), snaps, prefill_seconds)]
+            return [(len(toks), snaps, prefill_seconds)], planned
         step = max(self.settings.prefill_step, int(self.settings.node_bytes * (end - start) / nbytes))
         cuts = [c for c in range((start // step + 1) * step, end, step) if c - start >= step // 4]
         pieces = C.cut_node(snaps, cuts)
@@ -149,15 +153,17 @@ class Inserter:
             if prefill_seconds is None
             else (lambda lo, hi: prefill_seconds * (hi - lo) / (end - start))
         )
-        return [(hi, p, share(lo, hi)) for lo, hi, p in zip(bounds, bounds[1:], pieces)]
+        return [(hi, p, share(lo, hi)) for lo, hi, p in zip(bounds, bounds[1:], pieces)], None
 
-    def _insert_node(self, toks: np.ndarray, cache, prefill_seconds, position: int, new) -> int:
+    def _insert_node(self, toks: np.ndarray, cache, prefill_seconds, position: int, new, planned=None) -> int:
         """Insert one node ending at len(toks); `cache` is at `position` (>= it),
         `new` the snapshots of the span planned (made from `cache` when None or
-        when the trie changed meanwhile)."""
+        when the trie changed meanwhile), `planned` the plan of `toks` already
+        read (the commit checks it is still current; a stale one is read again)."""
         for attempt in range(6):
-            with self._phase("plan"):
-                planned = self.index.plan_insert(self.namespace, toks)
+            if planned is None or attempt:
+                with self._phase("plan"):
+                    planned = self.index.plan_insert(self.namespace, toks)
             try:
                 # The last try splits a node whose data is nowhere rather than give up.
                 return self._commit(planned, toks, cache, prefill_seconds, attempt == 5, position, new)

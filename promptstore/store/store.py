@@ -114,6 +114,11 @@ class PromptStore:
             warm_start=None if self.warming is None else WarmStart(**self.warming.progress()),
         )
 
+    @property
+    def has_remote(self) -> bool:
+        """Whether a remote tier is configured: a fetch may then find more than the index says."""
+        return self.tiers.remote is not None
+
     def give_way(self, busy: Callable[[], bool] | None, at_most: float = 1.0) -> None:
         """Background spills pause between chunks while `busy()` is true (a server:
         requests wait for their first tokens), at most `at_most` seconds per spill;

@@ -220,3 +220,23 @@ def test_segments_are_cut_at_checkpoints_inside_them():
     segments, kinds = split_segments([[1, 2, 3, 4], [5, 6, 7, 8, 9]], ["system", "user"], [2, 4, 6, 9, 12])
     assert segments == [[1, 2], [3, 4], [5, 6], [7, 8, 9]]
     assert kinds == ["system", "system", "user", "user"]
+
+
+def test_with_kv_bits_a_fetch_restores_in_one_namespace_only(tmp_path, model_dir):
+    """--kv-bits keeps plain and quantized caches in two namespaces; the index says
+    which holds the longer prefix, and only that one restores (and counts a fetch)."""
+    model, tokenizer = loaded(model_dir("llama"))
+    with PromptStore.open(tmp_path / "store") as store:
+        cache = StoreCache(store, model_id="tiny-llama", kv_bits=8, kv_group_size=32)
+        cache.attach(model, tokenizer, None, ("m", None, None), prefill_step=64)
+        plain, quantized = cache.spaces(ALICE)
+        prompt = list(range(10, 50))
+        request, _ = cache.begin(ALICE, prompt, None, ())
+        assert plain.last_hit is not None and quantized.last_hit is None  # a miss in both: one fetch
+        cache.insert_cache(cache.model_key, prompt, filled(cache, prompt))
+        cache.run_background()
+        plain.last_hit = None
+        request, _ = cache.begin(ALICE, prompt + [5, 6], None, ())
+        assert cache.last_hit is not None and cache.last_hit.length == len(prompt)
+        assert plain.last_hit is not None and quantized.last_hit is None
+        assert request

@@ -1,0 +1,169 @@
+"""Tokenizing a rendered prompt piece by piece, keeping the pieces seen lately.
+
+A chat's every request renders the whole conversation, and its text is
+tokenized whole: mlx_lm.server does it twice (the prompt, then the system
+prompt alone to find where it ends), about 9 ms each for 5k tokens of a
+byte-level BPE on one core, the largest part of a hot round's work before its
+prefill. A tokenizer splits its special tokens (those matched as they are
+written: no whitespace stripped around them, no normalization) out of the text
+before it tokenizes what lies between them, so the tokens of a piece between
+two such tokens do not depend on the rest of the text. The system prompt, and
+every earlier message, come back unchanged as such pieces; their tokens are
+kept (least recently used out first) and only the new pieces are tokenized.
+
+Whether a tokenizer behaves so is checked, not assumed: on a sample of texts
+when the model loads, then by tokenizing the first requests both ways. Any
+difference turns this off for good (with a warning), and every text is
+tokenized whole again.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections import OrderedDict
+
+from .replies import plain_special_tokens
+
+log = logging.getLogger("promptstore.serve")
+
+CHECKED_REQUESTS = 8  # first texts tokenized both ways, after the sample
+KEPT_PIECES = 1024
+KEPT_CHARS = 32 << 20
+SMALL_PIECE = 64  # pieces shorter than this are tokenized, not kept (a role name, a newline)
+SAMPLES = [
+    "plain words",
+    " a leading space",
+    "trailing space ",
+    "\nnew lines\n\n",
+    "  two  spaces  ",
+    "digits 12345 and 3.14159",
+    "ünïcödé — “quotes” 漢字 🙂",
+    "tabs\tand\r\nreturns",
+    "'s 've n't 're",
+]
+
+
+class Pieces:
+    """Tokens of rendered texts (`encode`), equal to `tokenizer.encode(text,
+    add_special_tokens=False)`; thread-safe."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._chars = 0
+        self._left_to_check = CHECKED_REQUESTS
+        self.counts = {"pieces_reused": 0, "pieces_tokenized": 0}
+        specials = plain_special_tokens(tokenizer)
+        self._ids = {text: token_id for token_id, text in specials.items()}
+        self._pattern = (
+            re.compile("|".join(re.escape(t) for t in sorted(self._ids, key=len, reverse=True))) if self._ids else None
+        )
+        self.enabled = self._pattern is not None and self._sample_agrees()
+        if not self.enabled:
+            log.info("prompts are tokenized whole: the tokenizer does not tokenize them piece by piece alike")
+
+    def whole(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def encode(self, text: str) -> list[int]:
+        if not self.enabled:
+            return self.whole(text)
+        tokens = self._pieced(text)
+        with self._lock:
+            checking = self._left_to_check > 0
+            if checking:
+                self._left_to_check -= 1
+        if checking:
+            whole = self.whole(text)
+            if whole != tokens:
+                self.enabled = False
+                log.warning("prompts are tokenized whole from now on: a text tokenized piece by piece differed")
+                return whole
+        return tokens
+
+    def _pieced(self, text: str) -> list[int]:
+        out: list[int] = []
+        at = 0
+        for m in self._pattern.finditer(text):
+            if m.start() > at:
+                out += self._piece(text[at : m.start()])
+            out.append(self._ids[m.group()])
+            at = m.end()
+        if at < len(text):
+            out += self._piece(text[at:])
+        return out
+
+    def _piece(self, piece: str) -> tuple[int, ...] | list[int]:
+        if len(piece) < SMALL_PIECE:
+            return self.whole(piece)
+        with self._lock:
+            kept = self._kept.get(piece)
+            if kept is not None:
+                self._kept.move_to_end(piece)
+                self.counts["pieces_reused"] += 1
+                return kept
+        tokens = tuple(self.whole(piece))
+        with self._lock:
+            self.counts["pieces_tokenized"] += 1
+            if piece not in self._kept and len(piece) <= KEPT_CHARS // 4:
+                self._kept[piece] = tokens
+                self._chars += len(piece)
+                while len(self._kept) > KEPT_PIECES or self._chars > KEPT_CHARS:
+                    old, _ = self._kept.popitem(last=False)
+                    self._chars -= len(old)
+        return tokens
+
+    def _sample_agrees(self) -> bool:
+        """Whether texts joined by special tokens tokenize whole as piece by piece."""
+        specials = sorted(self._ids)
+        try:
+            for i, a in enumerate(SAMPLES):
+                for special in specials[:4]:
+                    b = SAMPLES[(i + 3) % len(SAMPLES)]
+                    text = a + special + b + special + a
+                    if self.whole(text) != self._split_encode(text):
+                        return False
+        except Exception as e:  # a tokenizer this cannot read: tokenize whole
+            log.debug("piecewise tokenizing not checked: %s", e)
+            return False
+        return True
+
+    def _split_encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        at = 0
+        for m in self._pattern.finditer(text):
+            if m.start() > at:
+                out += self.whole(text[at : m.start()])
+            out.append(self._ids[m.group()])
+            at = m.end()
+        if at < len(text):
+            out += self.whole(text[at:])
+        return out
+
+
+class PieceTokenizer:
+    """A tokenizer whose `apply_chat_template(..., tokenize=True)` renders the
+    text and tokenizes it through `Pieces`; everything else is the tokenizer's own."""
+
+    def __init__(self, tokenizer, pieces: Pieces):
+        self._tokenizer, self._pieces = tokenizer, pieces
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def apply_chat_template(self, conversation, *args, **kwargs):
+        tokenize = kwargs.get("tokenize", True)
+        if not tokenize or kwargs.get("return_dict") or kwargs.get("return_tensors") or not self._pieces.enabled:
+            return self._tokenizer.apply_chat_template(conversation, *args, **kwargs)
+        text = self._tokenizer.apply_chat_template(conversation, *args, **{**kwargs, "tokenize": False})
+        if not isinstance(text, str):
+            return self._tokenizer.apply_chat_template(conversation, *args, **kwargs)
+        return self._pieces.encode(text)
+
+    def encode(self, text, *args, **kwargs):
+        if isinstance(text, str) and kwargs.get("add_special_tokens") is False and not args and len(kwargs) == 1:
+            return self._pieces.encode(text)
+        return self._tokenizer.encode(text, *args, **kwargs)

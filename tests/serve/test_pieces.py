@@ -1,0 +1,96 @@
+"""Rendered prompts tokenized piece by piece between special tokens, the pieces
+seen lately kept: the same tokens as tokenizing the whole text, or whole texts."""
+
+import random
+
+import pytest
+
+from promptstore.serve.pieces import CHECKED_REQUESTS, Pieces, PieceTokenizer
+from promptstore.testing.tokenizer import CORPUS, SPECIAL, demo_tokenizer
+
+WORDS = CORPUS.read_text().split()
+
+
+def conversation(rng: random.Random, turns: int) -> list[dict]:
+    def text(n):
+        words = " ".join(rng.choice(WORDS) for _ in range(n))
+        return rng.choice(["", " ", "\n", "  "]) + words + rng.choice(["", " ", "\n", " 3.5 ü 🙂"])
+
+    messages = [{"role": "system", "content": text(300)}]
+    for _ in range(turns):
+        messages += [{"role": "user", "content": text(20)}, {"role": "assistant", "content": text(40)}]
+    return messages + [{"role": "user", "content": text(10)}]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_chat_tokenized_in_pieces_equals_the_whole_tokenizing(seed):
+    tok = demo_tokenizer(1024)
+    pieces = Pieces(tok)
+    assert pieces.enabled
+    wrapped = PieceTokenizer(tok, pieces)
+    rng = random.Random(seed)
+    messages = conversation(rng, 3)
+    for n in range(2, len(messages) + 1, 2):  # a conversation growing turn by turn
+        whole = tok.apply_chat_template(messages[:n], add_generation_prompt=True, tokenize=True)
+        assert wrapped.apply_chat_template(messages[:n], add_generation_prompt=True, tokenize=True) == whole
+        text = tok.apply_chat_template(messages[:n], add_generation_prompt=True, tokenize=False)
+        assert wrapped.encode(text, add_special_tokens=False) == whole
+    # The system prompt and the earlier messages came back as kept pieces.
+    assert pieces.counts["pieces_reused"] > pieces.counts["pieces_tokenized"]
+    assert pieces.enabled  # the first requests, tokenized both ways too, agreed
+
+
+def test_a_tokenizer_that_tokenizes_pieces_otherwise_is_tokenized_whole():
+    """Metaspace with prepend_scheme "first" marks a text's first word only: a piece
+    tokenized alone would gain the mark. The sample finds it; texts go whole."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    sp = Tokenizer(models.BPE(unk_token=None))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL, show_progress=False)
+    sp.train_from_iterator(CORPUS.read_text().splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<s>", eos_token="</s>")
+    pieces = Pieces(fast)
+    assert not pieces.enabled
+    text = "<s><|system|>" + " ".join(WORDS[:200]) + "<|end|><|user|>hello there<|end|>"
+    assert pieces.encode(text) == fast.encode(text, add_special_tokens=False)
+
+
+class _Drifting:
+    """A tokenizer that agrees on short texts and, past 2,000 characters, marks a
+    text's start: what the sample cannot see, the first requests' check must."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.added_tokens_decoder = inner._tokenizer.added_tokens_decoder
+
+    def encode(self, text, add_special_tokens=False):
+        tokens = self.inner.encode(text, add_special_tokens=add_special_tokens)
+        return ([0] if len(text) > 2000 else []) + tokens
+
+
+def test_a_difference_in_the_first_requests_turns_pieces_off_for_good():
+    tokenizer = _Drifting(demo_tokenizer(1024))
+    pieces = Pieces(tokenizer)
+    assert pieces.enabled
+    long = " ".join(WORDS[:600])
+    text = f"<s><|system|>{long}<|end|><|user|>{long}<|end|>"
+    assert pieces.encode(text) == tokenizer.encode(text)  # the whole text's tokens, not the pieces'
+    assert not pieces.enabled
+    assert pieces.encode(text) == tokenizer.encode(text)
+
+
+def test_only_the_first_requests_are_tokenized_twice():
+    tok = demo_tokenizer(1024)
+    pieces = Pieces(tok)
+    calls = []
+    real = pieces.whole
+    pieces.whole = lambda text: calls.append(len(text)) or real(text)
+    text = tok.apply_chat_template(conversation(random.Random(7), 2), add_generation_prompt=True, tokenize=False)
+    for _ in range(CHECKED_REQUESTS):
+        pieces.encode(text)
+    calls.clear()
+    pieces.encode(text)
+    assert len(text) not in calls  # no whole-text check any more
+    assert max(calls, default=0) < 64  # only the small pieces (role names, newlines) were tokenized
