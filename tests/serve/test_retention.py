@@ -172,7 +172,7 @@ def test_bad_retention_fields_get_a_400_naming_the_field(serve, model_dir):
     with pytest.raises(anthropic.BadRequestError) as refused:
         anthropic_.messages.create(model="default_model", max_tokens=2, system=bad_block, messages=messages)
     said = refused.value.body["error"]["message"]
-    assert said == 'system.0.cache_control.ttl must be \'5m\' or \'1h\', got a string "2h"', said
+    assert said == "system.0.cache_control.ttl must be '5m' or '1h', got a string \"2h\"", said
     with pytest.raises(anthropic.BadRequestError) as refused:
         anthropic_.messages.create(
             model="default_model", max_tokens=2, messages=messages, cache_control={"type": "ephemeral", "ttl": 3600}
