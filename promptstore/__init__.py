@@ -5,11 +5,12 @@ MLX) does not pull MLX in.
 """
 
 __version__ = "0.1.0"
-__all__ = ["Hit", "PromptStore", "Settings", "Space", "generate", "stream_generate"]
+__all__ = ["Hit", "PromptStore", "Retention", "Settings", "Space", "generate", "stream_generate"]
 
 _HOMES = {
     "Hit": "store",
     "PromptStore": "store",
+    "Retention": "store",
     "Space": "store",
     "Settings": "config",
     "generate": "generation",

@@ -19,6 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .caches import prompt_position
 from .store import Space
+from .store.retention import marks
 
 Prompt = str | Sequence[int] | mx.array
 
@@ -50,6 +51,7 @@ def stream_generate(
     space: Space,
     checkpoints: Sequence[int] = (),
     prompt_progress_callback: Callable[[int, int], None] | None = None,
+    retention=None,
     **kwargs: Any,
 ) -> Generator:
     """mlx_lm.stream_generate with a prompt-cache store: same arguments and
@@ -58,10 +60,13 @@ def stream_generate(
     `checkpoints` (token positions later prompts will share, such as the end of
     the system prompt: see Space.fetch).
     prompt_progress_callback(processed, total): as in mlx-lm, called while the
-    prompt is prefilled; restored tokens count as processed."""
+    prompt is prefilled; restored tokens count as processed.
+    retention: how long the store keeps the conversation ("5m", "1h", "24h",
+    "in_memory", a Retention; None: by its budgets alone), see Space.insert."""
     if "prompt_cache" in kwargs:
         raise TypeError("pass space=, not prompt_cache=: the store provides the cache")
     tokens = encode(tokenizer, prompt)
+    marks(retention, len(tokens))  # a wrong class fails now, before any work
     hit = space.fetch(tokens, checkpoints)
     cache, position = hit.cache, hit.length
     progress = prompt_progress_callback or (lambda processed, total: None)
@@ -77,7 +82,7 @@ def stream_generate(
         prefill(model, cache, tokens, position, point, step, lambda done: progress(done, len(tokens)))
         seconds = time.perf_counter() - started
         space.record_prefill(position, point, seconds)
-        space.insert(tokens[:point], cache, prefill_seconds=seconds)
+        space.insert(tokens[:point], cache, prefill_seconds=seconds, retention=retention)
         position = point
     produced: list[int] = []
     # mlx-lm counts only the tokens it is given: shift its counts past what came before.
@@ -88,7 +93,7 @@ def stream_generate(
     seen = tokens + produced
     held = prompt_position(cache)
     if 0 < held <= len(seen):
-        space.insert(seen[:held], cache)
+        space.insert(seen[:held], cache, retention=retention)
 
 
 def generate(model: nn.Module, tokenizer, prompt: Prompt, *, space: Space, verbose: bool = False, **kwargs: Any) -> str:

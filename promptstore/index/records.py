@@ -48,6 +48,8 @@ class NodeRecord(BaseModel):
     created: float = Field(default_factory=time.time)
     hits: int = Field(default=0, ge=0)
     prefill_seconds: float = Field(default=0.0, ge=0.0, description="prefill time this node saves")
+    retention: str | None = Field(default=None, description="the retention class a client asked for")
+    keep_until: float | None = Field(default=None, description="time (epoch seconds) the disk budget keeps it until")
 
     @classmethod
     def blank(cls, namespace: Namespace, present: bool | Sequence[bool] = True, **fields) -> NodeRecord:
@@ -76,6 +78,7 @@ def check_record_layout(namespace: Namespace, record: NodeRecord) -> None:
 # value can never pass as a node.
 _HEADER = struct.Struct("<Q2sB16s16sQQIQI")
 _MAGIC = b"PN"
+_UNKEPT = {"retention", "keep_until"}
 _VERSION = 1
 
 
@@ -135,7 +138,8 @@ def encode_node(
     edge: bytes,
 ) -> bytes:
     """The nodes-db value for a node; `edge` is the packed uint32 tokens stored beside it."""
-    body = record.model_dump_json().encode()
+    # Without retention the record is written as before it existed (older readers take it).
+    body = record.model_dump_json(exclude=_UNKEPT if record.keep_until is None else None).encode()
     n_layers = len(record.layers)
     bits = record.present_mask().to_bytes((n_layers + 7) // 8, "little")
     head = _HEADER.pack(

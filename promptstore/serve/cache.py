@@ -1,6 +1,7 @@
 """The prompt cache mlx_lm.server's generation thread calls (LRUPromptCache's
 methods) over a PromptStore: a namespace per model key and tenant, checkpoints
-at prompt segment ends, and after a chat reply the conversation as rendered."""
+at prompt segment ends, and after a chat reply the conversation as rendered;
+each insert kept as long as the requests that own its tokens asked."""
 
 from __future__ import annotations
 
@@ -84,6 +85,23 @@ def split_segments(segments: list[list[int]], kinds: list[str], points) -> tuple
         out_kinds.append(kind)
         start = end
     return out, out_kinds
+
+
+def _kept(owners) -> tuple:
+    """How long the owners of an insert's tokens asked to keep them: their marks,
+    a whole-request one (end None) reaching only as far as that request's own
+    tokens do (past a longer owner's prompt, the tokens are that owner's)."""
+    longest = max((len(o.prompt) for o in owners), default=0)
+    out = []
+    for owner in owners:
+        whole = None if len(owner.prompt) == longest else len(owner.prompt)
+        out.extend((whole if end is None else end, r) for end, r in owner.retention)
+    return tuple(out)
+
+
+def _marks(kept: tuple, n_tokens: int) -> tuple:
+    """`kept` as an insert of `n_tokens` takes it (a whole-request mark: all of them)."""
+    return tuple((n_tokens if end is None else end, r) for end, r in kept)
 
 
 @dataclass
@@ -199,17 +217,19 @@ class StoreCache:
 
     # --- fetch --------------------------------------------------------------------
 
-    def begin(self, tenant: Tenant, prompt: list[int], chat: ChatTurn | None, boundaries, cacheable=True):
+    def begin(self, tenant: Tenant, prompt: list[int], chat: ChatTurn | None, boundaries, cacheable=True, retention=()):
         """A request was tokenized: track it and fetch its longest stored prefix.
 
         Returns the prompt to hand mlx_lm.server (its lifetime is the request's)
-        and the positions where the store asks for checkpoints.
+        and the positions where the store asks for checkpoints. retention: how
+        long to keep what it stores, (end, class) per prefix, (None, class) for
+        all of it (StoreRequest.retention).
         """
         prompt = list(prompt)
         self.run_deferred()  # the fetch finds every part of a prompt handed over before it
         if self.replies_before_fetch and self._background:
             self._run_replies_of(prompt)  # and its own conversation's last reply
-        request = InFlightRequest(tenant, prompt, chat)
+        request = InFlightRequest(tenant, prompt, chat, retention=tuple(retention))
         tracked: TrackedPrompt = self.inflight.track(request)
         hit = None
         if cacheable and self.model is not None:
@@ -385,14 +405,17 @@ class StoreCache:
         reply_of = next((o for o in owners if o.chat is not None and len(tokens) > len(o.prompt)), None)
         space = self._space_for(tenant, cache)
         within_prompt = any(len(tokens) <= len(o.prompt) for o in owners)
-        return (lambda: self._insert(space, reply_of, tokens, held, cache)), within_prompt, frozenset(owners)
+        kept = _kept(owners)
+        work = lambda: self._insert(space, reply_of, tokens, held, cache, kept)  # noqa: E731
+        return work, within_prompt, frozenset(owners)
 
-    def _insert(self, space: Space, reply_of: InFlightRequest | None, tokens: list[int], held: int, cache) -> None:
+    def _insert(self, space: Space, reply_of, tokens: list[int], held: int, cache, kept=()) -> None:
+        """kept: how long the owners asked to keep the tokens (_kept)."""
         started = time.perf_counter()
         if reply_of is not None and self.reply_tokens == "rendered":
-            stored, phases = self._insert_rendered(space, reply_of, tokens, held, cache)
+            stored, phases = self._insert_rendered(space, reply_of, tokens, held, cache, kept)
         else:
-            stored, phases = space.insert(tokens[:held], cache), {}
+            stored, phases = space.insert(tokens[:held], cache, retention=_marks(kept, held)), {}
         phases.update(space.last_insert_phases())  # the store's part, phase by phase
         phases["total"] = time.perf_counter() - started
         log.info(
@@ -420,7 +443,7 @@ class StoreCache:
         quantized = any(layer["kind"] == "quantized" for layer in C.prompt_layout(cache))
         return spaces[-1] if quantized else spaces[0]
 
-    def _insert_rendered(self, space: Space, request: InFlightRequest, named: list[int], held: int, cache):
+    def _insert_rendered(self, space: Space, request: InFlightRequest, named: list[int], held: int, cache, kept=()):
         """Store the conversation as the next turn renders it, prefilling only
         what differs from what the cache holds. Returns (tokens stored, seconds
         per phase: render, prefill, store).
@@ -440,9 +463,11 @@ class StoreCache:
         if len(rendered) >= 2 and space.restorable_length(rendered) == len(rendered):
             # Stored meanwhile (the next turn's prompt holds it): nothing to prefill.
             self.counts["reply_inserts_already_stored"] += 1
+            space.retain(rendered, _marks(kept, len(rendered)))
             return 0, {"render": t1 - t0, "lookup": time.perf_counter() - t1}
         if len(rendered) < 2 or common == len(rendered) == len(tokens):
-            return space.insert(tokens, cache), {"render": t1 - t0, "store": time.perf_counter() - t1}
+            stored = space.insert(tokens, cache, retention=_marks(kept, len(tokens)))
+            return stored, {"render": t1 - t0, "store": time.perf_counter() - t1}
         position = min(common, len(tokens))
         if position < len(tokens) and not C.restore_prompt_cache(cache, None, position):
             # Window or recurrent layers cannot rewind: restart from the store (the
@@ -451,7 +476,7 @@ class StoreCache:
             cache, position = hit.cache, hit.length
         prefill(self.model, cache, rendered, position, len(rendered), self.prefill_step)
         t2 = time.perf_counter()
-        stored = space.insert(rendered, cache, prefill_seconds=t2 - t1)
+        stored = space.insert(rendered, cache, prefill_seconds=t2 - t1, retention=_marks(kept, len(rendered)))
         self.counts["reply_tokens_prefilled"] += len(rendered) - position
         return stored, {"render": t1 - t0, "prefill": t2 - t1, "store": time.perf_counter() - t2}
 

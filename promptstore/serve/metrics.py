@@ -1,7 +1,7 @@
 """`promptstore serve`'s /metrics, in Prometheus's text format (prometheus-client,
 a registry of the server's own): what requests got (tokens by tier, time to first
-token, restore time), observed as each request ends, and the store's counters and
-sizes (PromptStore.metrics()), read at each scrape. MetricsAccess says who may read
+token, restore time, the retention it asked for), observed as each request ends,
+and the store's counters and sizes (PromptStore.metrics()), read at each scrape. MetricsAccess says who may read
 them: with --api-keys, only the operator's key, never a tenant's."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..errors import PromptStoreError, ServeConfigError
 from ..store import PromptStore
 from ..store.metrics import SOURCES, TIERS, StoreMetrics, hit_sources, hit_tier
+from ..store.retention import CLASSES
 from .tenants import KeyRing, Tenant
 
 log = logging.getLogger("promptstore.serve")
@@ -94,6 +95,19 @@ class ServeMetrics:
             [*m, "tier"],
             registry=r,
         )
+        self.retention_requests = Counter(
+            "promptstore_retention_requests",
+            "Requests by the retention class they asked for (cache_control ttl, prompt_cache_retention; "
+            "none: no class); a request naming two classes counts under each",
+            [*m, "retention"],
+            registry=r,
+        )
+        self.cache_key_requests = Counter(
+            "promptstore_prompt_cache_key_requests", "Requests that sent a prompt_cache_key", m, registry=r
+        )
+        for name in CLASSES:
+            self.retention_requests.labels(self.model, name)
+        self.cache_key_requests.labels(self.model)
         for metric in (self.requests, self.hits, self.prompt_tokens, self.prefilled_tokens, self.generated_tokens):
             metric.labels(self.model)  # every series from the start, at 0
         self.ttft.labels(self.model)
@@ -144,6 +158,14 @@ class ServeMetrics:
             self.tenant_prompt_tokens.labels(model, tenant.label).inc(prompt)
             self.tenant_restored_tokens.labels(model, tenant.label).inc(restored)
 
+    def asked(self, retention: tuple, cache_key: str | None) -> None:
+        """A request ended that asked to keep what it stored by `retention` ((end,
+        class) pairs, StoreRequest.retention) and sent `cache_key`."""
+        for name in sorted({r.name for _, r in retention}) or ["none"]:
+            self.retention_requests.labels(self.model, name).inc()
+        if cache_key is not None:
+            self.cache_key_requests.labels(self.model).inc()
+
     def _restored(self, restored: int, hit: HitFigures | None) -> None:
         if hit is None or sum(hit.sources.values()) != restored:
             # Not the hit fetched for it (mlx-lm restored something else): its source is unknown.
@@ -175,6 +197,8 @@ class StoreCollector:
             return  # closed, as the server stops
         yield from _store_counters(m)
         yield from _store_sizes(m)
+        if m.retention is not None:
+            yield from _retention(m)
         if m.warm_start is not None:
             yield from _warm_start(m)
 
@@ -214,6 +238,25 @@ def _store_sizes(m: StoreMetrics):
         ("promptstore_disk_budget_bytes", "The disk budget of each tenant (disk_bytes)", m.disk_budget_bytes),
     ):
         yield GaugeMetricFamily(name, doc, value=value)
+
+
+def _retention(m: StoreMetrics):
+    r = m.retention
+    held = GaugeMetricFamily(
+        "promptstore_retained_nodes", "Nodes kept now because a client asked, by retention class", labels=["retention"]
+    )
+    for name, n in r.held.items():
+        held.add_metric([name], n)
+    yield held
+    yield _counter(
+        "promptstore_retention_kept",
+        "Times an eviction (memory or disk) passed over a retained node it would otherwise have taken",
+        r.kept,
+    )
+    yield _counter("promptstore_retention_expired", "Retained nodes whose time passed", r.expired)
+    yield _counter(
+        "promptstore_in_memory_never_written", "Nodes retained in_memory that left memory unwritten", r.never_written
+    )
 
 
 def _warm_start(m: StoreMetrics):

@@ -43,6 +43,10 @@ class Item(Body):
     through untouched (chat templates read what they know)."""
 
 
+# prompt_cache_key: a client's name for requests that share a prefix (counted, never stored).
+CacheKey = Annotated[str, Field(min_length=1, max_length=1024)]
+# prompt_cache_retention, as OpenAI names its classes (store/retention.py).
+CacheRetention = Literal["in_memory", "24h"]
 Count = Annotated[int, Field(ge=0)]
 Positive = Annotated[int, Field(ge=1)]
 Unit = Annotated[float, Field(ge=0, le=1)]
@@ -166,6 +170,8 @@ class ChatCompletionBody(Sampling):
     response_format: dict | None = None
     chat_template_kwargs: dict | None = None
     role_mapping: dict[str, str] | None = None
+    prompt_cache_key: CacheKey | None = None
+    prompt_cache_retention: CacheRetention | None = None
 
     @field_validator("response_format")
     @classmethod
@@ -257,8 +263,8 @@ class ResponsesBody(Body):
     include: list[str] | None = None
     max_tool_calls: Positive | None = None
     top_logprobs: Count | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
+    prompt_cache_key: CacheKey | None = None
+    prompt_cache_retention: CacheRetention | None = None
     safety_identifier: str | None = None
     service_tier: str | None = None
     previous_response_id: str | None = None
@@ -348,6 +354,10 @@ def _words(error: dict) -> str:
         return "must be " + str(ctx.get("expected")).replace("False", "false").replace("True", "true")
     if kind_ == "too_short":
         return "must be a non-empty list"
+    if kind_ == "string_too_short":
+        return "must be a non-empty string"
+    if kind_ == "string_too_long":
+        return f"must be at most {ctx.get('max_length')} characters"
     if kind_ == "value_error":
         return str(ctx.get("error") or error["msg"]).removeprefix("Value error, ")
     msg = error["msg"]

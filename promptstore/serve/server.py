@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..console import model_dir
 from ..errors import GenerationFailed, PromptStoreError, ServeRequestError
 from ..store import CUDA, PromptStore
+from ..store.retention import CLASSES
 from . import apis
 from .apis.exchange import failure
 from .arrivals import ArrivalBudget, Arrivals
@@ -48,13 +49,18 @@ WARM_UP_BATCH = 4  # on an H100, warming a batch of 4 left a later batch of 1 fa
 
 @dataclass
 class StoreRequest(mlx_server.CompletionRequest):
-    """mlx-lm's request, plus the tenant it came from and its timeline
-    (perf_counter instants by name, written by the HTTP and generation threads)."""
+    """mlx-lm's request, plus the tenant it came from, its timeline (perf_counter
+    instants by name, written by the HTTP and generation threads) and what it
+    asked the store to keep."""
 
     tenant: Tenant = PUBLIC
     timeline: dict = field(default_factory=dict)
     rendered: Rendered | None = None
     arrival: int | None = None  # its token in Arrivals until it is queued
+    # How long to keep what it stores: (end, class) per marked prefix, (None, class)
+    # for all of it (store/retention.py); and the client's prompt_cache_key.
+    retention: tuple = ()
+    cache_key: str | None = None
 
 
 @dataclass
@@ -446,7 +452,10 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         tenant = getattr(request, "tenant", PUBLIC)
         timeline = getattr(request, "timeline", {})
         timeline["fetch"] = time.perf_counter()
-        tracked, checkpoints = self.store_cache.begin(tenant, prompt, chat, ends, cacheable=vision is None)
+        retention = getattr(request, "retention", ())
+        tracked, checkpoints = self.store_cache.begin(
+            tenant, prompt, chat, ends, cacheable=vision is None, retention=retention
+        )
         timeline["fetched"] = time.perf_counter()
         self.arrivals.gather()  # a burst's other requests, still being checked, prefill with this one
         timeline["gathered"] = time.perf_counter()
@@ -546,6 +555,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
             tenant = getattr(request, "tenant", PUBLIC)
             first = phases["ttft_ms"] / 1e3 if "ttft_ms" in phases else None
             self.metrics.served(tenant, prompt, restored, timeline.get("restored"), first, produced)
+            self.metrics.asked(getattr(request, "retention", ()), getattr(request, "cache_key", None))
             ttft = f"{phases['ttft_ms']:.1f} ms" if "ttft_ms" in phases else "none"
             source = f" ({timeline['from_disk']} from disk, {timeline['plan']})" if "plan" in timeline else ""
             log.info(
@@ -660,6 +670,8 @@ class StoreHandler(mlx_server.APIHandler):
     api: apis.Exchange | None = None  # the Messages or Responses API serving this request
     capped: str | None = None  # how max_tokens was capped, said in a header of the reply
     headers_sent = False
+    retention: str | None = None  # the class the request asked for all it stores (prompt_cache_retention)
+    cache_key: str | None = None  # its prompt_cache_key
 
     def do_POST(self):
         """Every POST gets an answer: a fault of the server's is a 500 in the API's
@@ -677,6 +689,7 @@ class StoreHandler(mlx_server.APIHandler):
 
     def _post(self) -> None:
         self.capped, self.headers_sent, self.unread = None, False, 0  # this request's, not an earlier one's
+        self.retention = self.cache_key = None
         route = self.path.split("?")[0].rstrip("/")
         self.api = apis.route(self)
         if self.api is None and route not in COMPLETIONS:
@@ -837,6 +850,8 @@ class StoreHandler(mlx_server.APIHandler):
         self.seed = body.seed
         self.chat_template_kwargs = getattr(body, "chat_template_kwargs", None)
         self.stop_words = body.stop or []
+        self.retention = getattr(body, "prompt_cache_retention", None)
+        self.cache_key = getattr(body, "prompt_cache_key", None)
         self.check_served()
 
     def check_served(self) -> None:
@@ -962,7 +977,8 @@ class StoreHandler(mlx_server.APIHandler):
             rendered = self.response_generator.check_prompt(request, self.chat_template_kwargs)
         timeline = {"received": received, "checked": time.perf_counter()}
         extra = {"tenant": self.tenant, "timeline": timeline, "rendered": rendered, "arrival": arrival}
-        return StoreRequest(**vars(request), **extra)
+        kept = ((None, CLASSES[self.retention]),) if self.retention else ()
+        return StoreRequest(**vars(request), **extra, retention=kept, cache_key=self.cache_key)
 
 
 def run(args, cache: StoreCache, keyring: KeyRing) -> StoreResponseGenerator:

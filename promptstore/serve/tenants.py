@@ -87,6 +87,7 @@ class InFlightRequest:
     prompt: list[int]
     chat: Any = None  # a replies.ChatTurn for chat requests
     first_out: bool = False  # its first token has been handed out
+    retention: tuple = ()  # (end, class) per marked prefix, (None, class) for all it stores
 
 
 class TrackedPrompt(list):

@@ -4,8 +4,8 @@ Counted by the bytes the snapshots hold (not buffer capacity). Each group of
 entries (a tenant) has a budget and a clock of its own: over budget, its least
 valuable entries leave first, and nothing another group does changes which
 (so one tenant's data never evicts another's). Pinned entries (in use by a
-caller right now) never leave. What leaves is returned to the caller, which
-spills it.
+caller right now) never leave; entries `kept` says a client asked to keep leave
+after every other. What leaves is returned to the caller, which spills it.
 On Apple silicon the budget is wired (kept resident) with MLX's wired limit;
 elsewhere nothing is wired.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -62,6 +62,8 @@ class HotTier:
         self.clocks: Counter = Counter()  # per group: ages count only the group's own accesses
         self.lock = threading.RLock()
         self.wired = wire(budget) if budget > 0 else None
+        self.kept: Callable[[bytes], bool] = lambda key: False  # retained: leaves last (store/retention.py)
+        self.spared = 0  # kept entries an eviction passed over that their value alone would have sent
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.entries
@@ -149,11 +151,18 @@ class HotTier:
         with self.lock:
             if self.used[group] <= self.budget:
                 return []
-            out = []
-            for entry in sorted(self.candidates(group), key=self._value):
+            order = sorted((self.kept(e.key), self._value(e), i, e) for i, e in enumerate(self.candidates(group)))
+            out, dearest = [], None  # dearest: the most valuable entry evicted that nobody asked to keep
+            for kept, worth, _, entry in order:
                 if self.used[group] <= self.budget:
                     break
                 out.append(self.pop(entry.key))
+                if not kept:
+                    dearest = worth
+            if dearest is not None:
+                self.spared += sum(
+                    1 for kept, worth, _, e in order if kept and worth < dearest and e.key in self.entries
+                )
             return out
 
     def candidates(self, group: Hashable = None) -> list[HotEntry]:

@@ -6,6 +6,7 @@ from ..snapshots.device import CUDA
 from .figures import namespace_counters, store_totals
 from .hit import Hit
 from .metrics import Report
+from .retention import Retention
 from .space import Space
 from .store import PromptStore, default_path
 from .tiers import Tiers
@@ -15,6 +16,7 @@ __all__ = [
     "Hit",
     "PromptStore",
     "Report",
+    "Retention",
     "Space",
     "StoreDirectoryError",
     "Tiers",

@@ -282,8 +282,11 @@ class Compactor:
         if self.dry:
             self.report.add("merge", joined, "merged chains", nodes=1, files=1)
             return False
+        kept = max((node.record, child.record), key=lambda r: r.keep_until or 0.0)  # the longer retention
         record = child.record.model_copy(
             update={
+                "retention": kept.retention,
+                "keep_until": kept.keep_until,
                 "layers": [
                     r.model_copy(update={"present": p, "nbytes": 0 if s is None else s.nbytes})
                     for r, s, p in zip(child.record.layers, layers, present_layers(layers))

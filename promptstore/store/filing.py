@@ -26,6 +26,7 @@ from ..identity import NodeId
 from ..index import Index, InsertPlan, InsertResult, Namespace, Node, NodeRecord
 from ..snapshots import ColdTier, SpillJob
 from ..snapshots.pool import ProcessPool
+from .retention import Retention, record_fields
 
 log = logging.getLogger("promptstore.store")
 
@@ -80,19 +81,20 @@ class Filing:
 
     # --- naming files -------------------------------------------------------------
 
-    def publish(self, job: SpillJob, tier: str) -> bool:
+    def publish(self, job: SpillJob, tier: str, kept: Retention | None = None) -> bool:
         """Name the file a spill wrote in its node's record (tier: "cold", or "both"
-        while memory holds it too). A node that was split, joined or removed
-        meanwhile does not get it, and the file goes."""
+        while memory holds it too), with how long it is `kept` (retention). A node
+        that was split, joined or removed meanwhile does not get it, and the file goes."""
         ref = job.ref
         try:
             node = self.index.get(job.node.key)
             if node is None or node.id != job.node:
                 raise NodeNotFoundError(f"node {job.node} changed before its spill was published")
             old = node.record.file
-            record = node.record.model_copy(
-                update={"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": tier}
-            )
+            update = {"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": tier}
+            if kept is not None:
+                update.update(record_fields(kept, node.record.keep_until))
+            record = node.record.model_copy(update=update)
             if job.present is not None:  # the file holds less than the node did in memory
                 layers = [r.model_copy(update={"present": p}) for r, p in zip(record.layers, job.present)]
                 record = record.model_copy(update={"layers": layers})

@@ -32,6 +32,7 @@ from ..errors import (
 from ..identity import NodeId
 from ..index import Index, Namespace, Node, NodeRecord
 from .model import layer_spec
+from .retention import Marks, covering, marks
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -90,11 +91,19 @@ class Inserter:
         self._phases = threading.local()  # the phases of the insert under way on each thread
         self._signatures: list | None = None
 
-    def insert(self, toks: np.ndarray, cache: Sequence[Any], prefill_seconds: float | None = None) -> int:
+    def insert(
+        self, toks: np.ndarray, cache: Sequence[Any], prefill_seconds: float | None = None, retention=None
+    ) -> int:
         """Store what `cache` (holding exactly `toks`, token ids the namespace accepts)
         adds; returns new tokens stored. Where its time went is then
-        `last_insert_phases()` on the same thread."""
+        `last_insert_phases()` on the same thread.
+
+        retention: a class (or its name) for the nodes on the path to the end of
+        `toks`, or (end, class) pairs for the path to each end (retention.marks).
+        """
+        given = marks(retention, len(toks))
         self._phases.phases = phases = {}
+        self._phases.marks = given  # the classes nodes made by this insert get as they are held
         try:
             self._check_cache(cache)
             position = C.prompt_position(cache)
@@ -110,8 +119,20 @@ class Inserter:
                 planned = None
         finally:
             self._phases.phases = None  # a failed insert leaves nothing collecting
+            self._phases.marks = ()
         self._phases.last = phases
+        self.retain(toks, given)  # and the nodes that held these tokens already
         return stored
+
+    def retain(self, toks: np.ndarray, given: Marks) -> int:
+        """Give the stored nodes on the path of each mark's prefix its class
+        (the strongest where marks overlap); returns the nodes retained."""
+        if not given:
+            return 0
+        path = self.index.lookup(self.namespace, toks[: max(end for end, _ in given)]).path
+        for node in path:
+            self.tiers.retain(node, covering(given, node.start))
+        return len(path)
 
     def last_insert_phases(self) -> dict[str, float]:
         """Seconds the last insert that returned on this thread spent in each phase:
@@ -329,6 +350,7 @@ class Inserter:
     def _place_split(self, planned, uppers, lowers) -> None:
         self.tiers.forget(planned.split.key)
         split, ns = planned.split, self.namespace.key
+        self.tiers.split_retention(split.key, split.upper_key)
         with self.tiers.local():  # new spans: published from here, even when a remote hit's insert split them
             self._put(NodeId(split.upper_key, ns, split.start, split.at), uppers, None)
             if any(s is not None for s in lowers):
@@ -340,8 +362,9 @@ class Inserter:
         node = self._node(node_id.key)
         if node is None or node.id != node_id:
             return
+        retention = covering(getattr(self._phases, "marks", ()), node_id.start)
         with self._phase("hold"):
-            self.tiers.put(node_id, snaps, node.record.prefill_seconds if seconds is None else seconds)
+            self.tiers.put(node_id, snaps, node.record.prefill_seconds if seconds is None else seconds, retention)
 
     def _fill_checkpoint(self, planned, cache):
         """All tokens are stored and end at a node: fill its missing whole-state layers."""

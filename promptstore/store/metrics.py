@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..index import NamespaceSpec
     from .hit import Hit
+    from .retention import RetentionFigures
 
 TIERS = ("hot", "cold", "remote")
 # Where a hit's tokens came from: a tier, or computed by the fetch itself (a cold
@@ -111,6 +112,7 @@ class StoreMetrics:
     hot_nodes, hot_bytes: held in memory; hot_budget_bytes and disk_budget_bytes
         are budgets per tenant. stored_nodes, stored_bytes: the whole store, every
         process's nodes. warm_start: None when none ran.
+    retention: what clients asked the store to keep and what it did (retention.py).
     """
 
     models: dict[str, ModelMetrics]
@@ -128,6 +130,7 @@ class StoreMetrics:
     stored_bytes: int
     disk_budget_bytes: int
     warm_start: WarmStart | None = None
+    retention: RetentionFigures | None = None
 
 
 class Meter:

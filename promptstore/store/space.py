@@ -30,6 +30,7 @@ from .metrics import model_label
 from .model import layer_spec, model_dtype, weights_digest
 from .plan import Rates, rates_of, save_rates
 from .restore import Restorer
+from .retention import marks
 from .tokens import model_tokens, vocabulary_size
 
 log = logging.getLogger("promptstore.store")
@@ -311,10 +312,21 @@ class Space:
 
     # --- insert -----------------------------------------------------------------------
 
-    def insert(self, tokens, cache: Sequence[Any], prefill_seconds: float | None = None) -> int:
+    def insert(self, tokens, cache: Sequence[Any], prefill_seconds: float | None = None, *, retention=None) -> int:
         """Store what `cache` (holding exactly `tokens`) adds; returns new tokens stored.
-        Where its time went is then `last_insert_phases()` on the same thread."""
-        return self.inserter.insert(self._tokens(tokens), cache, prefill_seconds)
+        Where its time went is then `last_insert_phases()` on the same thread.
+
+        retention: how long to keep the prefix ("5m", "1h", "24h", "in_memory",
+        or a Retention; None: by the budgets alone), for the nodes on the path to
+        the end of `tokens`; or (end, class) pairs, each for the prefix up to its
+        end (docs/serve.md, Retention)."""
+        return self.inserter.insert(self._tokens(tokens), cache, prefill_seconds, retention)
+
+    def retain(self, tokens, retention) -> int:
+        """Keep the stored nodes on the path of `tokens` as `retention` asks (as in
+        insert); returns how many nodes that is (a prefix not stored: none)."""
+        toks = self._tokens(tokens)
+        return self.inserter.retain(toks, marks(retention, len(toks)))
 
     def last_insert_phases(self) -> dict[str, float]:
         """Seconds the last insert that returned on this thread spent in each phase

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,6 +33,7 @@ from ..snapshots.remote import LocalLink, PublishItem, RemoteHit, RemoteTier, pr
 from .eviction import evict_tenant
 from .filing import Filing, filed
 from .metrics import Meter, Report, StoreMetrics
+from .retention import CLASSES, NONE, Retained, Retention, RetentionFigures, keys_of, record_fields, retention_class
 
 log = logging.getLogger("promptstore.store")
 
@@ -44,6 +47,9 @@ class Tiers:
             root / "cold", file_mode=settings.file_mode, dir_mode=settings.dir_mode, fsync=settings.fsync
         )
         self.hot = HotTier(settings.hot_bytes)
+        self.clock: Callable[[], float] = time.time  # what retention (and idle timers) read; tests set it
+        self.retained = Retained(lambda: self.clock())
+        self.hot.kept = self.retained.kept  # what clients asked to keep leaves memory last
         self.counts: Counter = Counter()
         self.meter = Meter()  # what PromptStore.metrics() reports
         self.filing = Filing(index, self.cold, self.counts)
@@ -128,9 +134,14 @@ class Tiers:
 
     # --- placing ------------------------------------------------------------------
 
-    def put(self, node: NodeId, snapshots: list[Snapshot], prefill_seconds: float = 0.0) -> None:
-        """Hold a node's snapshots and spill per the durability setting."""
+    def put(
+        self, node: NodeId, snapshots: list[Snapshot], prefill_seconds: float = 0.0, retention: Retention | None = None
+    ) -> None:
+        """Hold a node's snapshots and spill per the durability setting (never a
+        node retained in_memory); `retention`: the class the node gets (retain)."""
         mx.eval([a for s in snapshots if s is not None for a in s.all_arrays()])
+        if retention is not None:
+            self.retain(node.key, retention)
         group = self.tenant(node.namespace)
         evicted = self.hot.put(node.key, snapshots, prefill_seconds=prefill_seconds, node=node, group=group)
         quiet = getattr(self._origin, "remote", False)
@@ -140,13 +151,27 @@ class Tiers:
         # With a remote tier a node goes to disk at once, to be published from its file;
         # a copy of a remote hit waits for eviction or close (the server has it meanwhile).
         through = mode == "write_through" or (mode == "write_back" and self.remote is not None and not quiet)
-        if mode == "sync":
+        written = None
+        if self.retained.never_write(node.key):
+            pass  # in memory only: left dirty, and dropped when it leaves memory
+        elif mode == "sync":
             self.writer.write_now(SpillJob(node, snapshots))
+            written = node.key
         elif through:
             self._submit(SpillJob(node, snapshots))
+            written = node.key
         self._count_evicted(evicted)
+        self._spill_evicted(evicted, written)
+
+    def _spill_evicted(self, evicted, written: bytes | None = None) -> None:
+        """Spill what left memory and is not on disk (`written`: on its way already);
+        a node retained in_memory is dropped instead, never written."""
         for entry in evicted:
-            if entry.dirty and not (entry.key == node.key and (mode == "sync" or through)):
+            if self.retained.never_write(entry.key):
+                self.retained.drop(entry.key)
+                if entry.dirty:
+                    self.retained.count("never_written")
+            elif entry.dirty and entry.key != written:
                 self._submit(self._spill_job(entry))
 
     def _count_evicted(self, entries) -> None:
@@ -216,6 +241,70 @@ class Tiers:
         with self.lock:
             self.pending[job.node.key] = job
         self.writer.submit(job)
+
+    # --- retention (store/retention.py) -------------------------------------------
+
+    def retain(self, key_or_nodes, retention: Retention | str | None) -> None:
+        """Keep these nodes (a key, a node, or an iterable of either) as `retention`
+        asks, from now (`clock`); a class a node has that outlasts it stays. A node
+        on disk has its time written in its record, so other processes (compact)
+        and a restart keep it too; an in_memory class is this process's alone."""
+        r = retention_class(retention)
+        if r is NONE:
+            return
+        applied = r.applied(self.clock())
+        for key in keys_of(key_or_nodes):
+            if self.retained.apply(key, applied) is applied and not applied.never_write:
+                self._record_retention(key, applied)
+
+    def retention_of(self, key: bytes) -> Retention | None:
+        """The class this process keeps a node by (`never_write`, `keep_until`), None without one."""
+        return self.retained.of(key)
+
+    def split_retention(self, key: bytes, upper_key: bytes) -> None:
+        """A node was split: its upper half is kept as the node was."""
+        self.retained.move(key, upper_key)
+
+    def _record_retention(self, key: bytes, r: Retention) -> None:
+        """Write a filed node's keep_until in its record, unless it says about as
+        much already (within a minute, or a tenth of the class: a prefix used by
+        every request is written at most that often). A node not filed yet gets
+        it when its file is published (_publish)."""
+        try:
+            node = self.index.get(key)
+            if node is None or not node.record.file:
+                return
+            record = node.record
+            slack = max(60.0, r.keep_seconds / 10)
+            if record.keep_until is not None and record.keep_until >= r.keep_until - slack:
+                return
+            self.filing.refile(node.id, record.file, record.model_copy(update=record_fields(r, record.keep_until)))
+        except PromptStoreError as e:
+            log.debug("retention of node %s not recorded: %s", key.hex()[:12], e)  # memory still keeps it
+
+    def _recorded_retention(self, node: Node) -> None:
+        """A node read from disk is kept as its record says, while that lasts."""
+        try:
+            record = node.record
+        except CorruptRecordError:
+            return
+        r = CLASSES.get(record.retention or "")
+        if r is not None and record.keep_until is not None and record.keep_until > self.clock():
+            self.retained.apply(node.key, replace(r, keep_until=record.keep_until))
+
+    def _kept_on_disk(self, node: Node) -> bool:
+        """Whether the disk budget passes over this node for now (retained here, or by its record)."""
+        if self.retained.kept(node.key):
+            return True
+        try:
+            until = node.record.keep_until
+        except CorruptRecordError:
+            return False
+        return until is not None and until > self.clock()
+
+    def retention_figures(self) -> RetentionFigures:
+        figures = self.retained.figures()
+        return replace(figures, kept=figures.kept + self.hot.spared)
 
     # --- serving ------------------------------------------------------------------
 
@@ -323,6 +412,7 @@ class Tiers:
         if not self._first_to_finish(node, pending):
             return snapshots
         self.counts["cold_loads"] += 1
+        self._recorded_retention(node)
         evicted = self.hot.put(
             node.key,
             snapshots,
@@ -332,9 +422,7 @@ class Tiers:
             group=self.tenant(node.namespace),
         )
         self._count_evicted(evicted)
-        for entry in evicted:
-            if entry.dirty:
-                self._submit(self._spill_job(entry))
+        self._spill_evicted(evicted)
         return snapshots
 
     def _first_to_finish(self, node: Node, pending) -> bool:
@@ -380,8 +468,10 @@ class Tiers:
     def _publish(self, job: SpillJob) -> None:
         key = job.node.key
         self.meter.add(files_written=1, disk_written_bytes=job.ref.nbytes)  # on disk, whether named or not
+        r = self.retained.of(key)
+        kept = r if r is not None and r.keep_until is not None and not r.never_write else None
         try:
-            if self.filing.publish(job, "both" if key in self.hot else "cold"):
+            if self.filing.publish(job, "both" if key in self.hot else "cold", kept):
                 self.hot.mark_clean(key)
                 if self.remote is not None and key not in self.quiet:
                     self.remote.submit(key)
@@ -428,6 +518,7 @@ class Tiers:
             remote_written_bytes=remote.get("remote_published_bytes", 0),
             hot_nodes=nodes,
             hot_bytes=nbytes,
+            retention=self.retention_figures(),
             **figures,
         )
 
@@ -444,13 +535,30 @@ class Tiers:
             self.remote.flush()  # bounded by remote_close_seconds
 
     def spill_all(self) -> None:
-        """Put every node that is only in memory on disk (close, whatever the durability)."""
+        """Put every node that is only in memory on disk (close, whatever the
+        durability), but those retained in_memory: they go with the process, and
+        so do their nodes, where no other node hangs under them."""
+        dropped = []
         for entry in self.hot.dirty_entries():
+            if self.retained.never_write(entry.key):
+                self._spill_evicted([self.hot.pop(entry.key)])
+                dropped.append(entry.node)
+                continue
             with self.lock:
                 queued = self.pending.get(entry.key)
             if queued is None or queued.snapshots is not entry.snapshots:  # not one already on its way
                 self._submit(self._spill_job(entry))
         self.flush()
+        self._unstore([n for n in dropped if n is not None])
+
+    def _unstore(self, nodes: list[NodeId]) -> None:
+        """Remove nodes whose data is nowhere from the index, deepest first; one with
+        children stays (a later prompt through it stores its data again)."""
+        for node in sorted(nodes, key=lambda n: -n.end):
+            try:
+                self.filing.retire(self.index.namespace(node.namespace), node)
+            except PromptStoreError as e:
+                log.debug("node %s kept in the index: %s", node.key.hex()[:12], e)
 
     def cold_bytes(self) -> int:
         return sum(n.record.nbytes for n in self._filed())
@@ -471,7 +579,14 @@ class Tiers:
         budget = self.settings.disk_bytes if budget is None else budget
         removed = freed = 0
         for tenant_nodes in self.cold_by_tenant().values():
-            nodes, nbytes = evict_tenant(tenant_nodes, budget, self.index.is_leaf, self._retire)
+            nodes, nbytes = evict_tenant(
+                tenant_nodes,
+                budget,
+                self.index.is_leaf,
+                self._retire,
+                kept=self._kept_on_disk,
+                passed_over=lambda n: self.retained.count("kept", n),
+            )
             removed, freed = removed + nodes, freed + nbytes
         return removed, freed
 
@@ -480,6 +595,7 @@ class Tiers:
         if self.filing.retire(self.index.namespace(victim.namespace), victim.id) is None:
             return False
         self.forget(victim.key)
+        self.retained.drop(victim.key)
         self.meter.evicted("cold", 1, victim.record.nbytes)
         return True
 

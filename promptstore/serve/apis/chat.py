@@ -1,7 +1,8 @@
 """What a Messages or Responses request becomes: the chat request mlx_lm.server
 renders for /v1/chat/completions (OpenAI-style messages and function tools), so
 one conversation renders to the same tokens whichever API sent it; plus the
-prefixes the client marked (`cache_control`), which become checkpoints."""
+prefixes the client marked (`cache_control`), which become checkpoints kept as
+long as each mark's ttl says, and how long the request asked to keep the rest."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ class ChatRequest:
         defaults for those it left out).
     marked: the conversation up to and including each block the client marked,
         as chat messages (the last one possibly cut short).
+    ttls: the retention class of each marked prefix ("5m", "1h").
+    retention: the class of everything the request stores (prompt and reply):
+        the request's own cache_control ttl, or prompt_cache_retention; None: none.
+    cache_key: the client's prompt_cache_key.
     """
 
     model: str
@@ -31,6 +36,9 @@ class ChatRequest:
     stream: bool
     sampling: dict[str, float] = field(default_factory=dict)
     marked: list[list[dict]] = field(default_factory=list)
+    ttls: list[str] = field(default_factory=list)
+    retention: str | None = None
+    cache_key: str | None = None
 
     def completion_request(self) -> mlx_server.CompletionRequest:
         return mlx_server.CompletionRequest("chat", "", self.messages, self.tools, None)
@@ -67,6 +75,7 @@ class Conversation:
     def __init__(self):
         self.messages: list[dict] = []
         self.marked: list[list[dict]] = []
+        self.ttls: list[str] = []
 
     def add(self, message: dict) -> dict:
         self.messages.append(message)
@@ -78,25 +87,28 @@ class Conversation:
             return self.messages[-1]
         return None
 
-    def mark(self) -> None:
+    def mark(self, ttl: str = "5m") -> None:
         self.marked.append(copy.deepcopy(self.messages))
+        self.ttls.append(ttl)
 
 
-def marked_positions(tokenizer, prompt: list[int], marked: list[list[dict]], tools, template_kwargs: dict) -> list[int]:
+def marked_positions(
+    tokenizer, prompt: list[int], marked: list[list[dict]], tools, template_kwargs: dict
+) -> list[int | None]:
     """Where each marked prefix ends in `prompt`: the tokens its own rendering
     (without a generation prompt) shares with the prompt's. A template that
     cannot render a prefix (some refuse a conversation without a user turn) gives
-    no position for it."""
-    points = set()
+    no position for it (None)."""
+    points = []
     for messages in marked:
         try:
             tokens = render(tokenizer, messages, tools, template_kwargs)
         except Exception:
+            points.append(None)
             continue
         point = common_prefix(tokens, prompt)
-        if 0 < point < len(prompt):
-            points.add(point)
-    return sorted(points)
+        points.append(point if 0 < point < len(prompt) else None)
+    return points
 
 
 def render(tokenizer, messages: list[dict], tools, template_kwargs: dict) -> list[int]:

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from ...errors import GenerationFailed, ServeRequestError
+from ...store.retention import CLASSES
 from ..cache import split_segments
 from .chat import ChatRequest, marked_positions
 from .events import Finish, Text, ToolCall, reply_events
@@ -106,10 +107,11 @@ class Exchange:
     def admit(self, chat: ChatRequest):
         """The StoreRequest the generation thread takes, checked as a chat
         completion is; the marked prefixes' ends become segment ends, where the
-        store keeps a checkpoint (a node boundary)."""
+        store keeps a checkpoint (a node boundary), each kept for its mark's ttl."""
         handler = self.handler
         handler.requested_model, handler.adapter, handler.requested_draft_model = chat.model, None, "default_model"
         handler.chat_template_kwargs, handler.stream = None, chat.stream
+        handler.retention, handler.cache_key = chat.retention, chat.cache_key
         handler.check_served()
         max_tokens = handler.check_max_tokens(chat.max_tokens, self.max_tokens_field)
         request = handler.admit(chat.completion_request())
@@ -120,7 +122,9 @@ class Exchange:
             tokenizer = generator.model_provider.tokenizer
             template_kwargs = generator._template_kwargs(None)
             points = marked_positions(tokenizer, rendered.prompt, chat.marked, chat.tools, template_kwargs)
-            rendered.segments, rendered.kinds = split_segments(rendered.segments, rendered.kinds, points)
+            found = [p for p in points if p is not None]
+            rendered.segments, rendered.kinds = split_segments(rendered.segments, rendered.kinds, sorted(set(found)))
+            request.retention += tuple((p, CLASSES[ttl]) for p, ttl in zip(points, chat.ttls) if p is not None)
         return request
 
     def _answer(self, chat: ChatRequest, request, ctx, responses) -> None:

@@ -1,6 +1,7 @@
 """The Anthropic Messages API: POST /v1/messages and /v1/messages/count_tokens.
 A request becomes a chat request (system, text, tool_use and tool_result blocks,
-client tools; `cache_control` marks become checkpoints); the reply is a message,
+client tools; `cache_control` marks become checkpoints, kept for their ttl; the
+request's own cache_control keeps all it stores for its ttl); the reply is a message,
 or its event stream (message_start, content_block_*, message_delta,
 message_stop); errors come in the API's shape."""
 
@@ -37,7 +38,7 @@ class MessagesAPI(Exchange):
 
     def translate(self, body: dict) -> ChatRequest:
         checked_ = checked(self.schema, body, dotted=True)
-        conversation, tools = _conversation(body)
+        conversation, tools, retention = _conversation(body)
         sampling = {name: getattr(checked_, name) for name in SAMPLING if getattr(checked_, name) is not None}
         return ChatRequest(
             model=checked_.model,
@@ -48,6 +49,8 @@ class MessagesAPI(Exchange):
             stream=checked_.stream,
             sampling=sampling,
             marked=conversation.marked,
+            ttls=conversation.ttls,
+            retention=retention,
         )
 
     def error_body(self, status: int, message: str, param: str | None) -> dict:
@@ -83,9 +86,10 @@ class CountTokensAPI(MessagesAPI):
 # --- requests -----------------------------------------------------------------------
 
 
-def _conversation(body: dict) -> tuple[Conversation, list[dict] | None]:
+def _conversation(body: dict) -> tuple[Conversation, list[dict] | None, str | None]:
     """The chat messages and tools of a request, in the order the API reads them
-    (tools, system, messages), with the prefixes its marks end."""
+    (tools, system, messages), with the prefixes its marks end; and the ttl of
+    the request's own mark (None without one)."""
     conversation = Conversation()
     tools = _tools(body.get("tools"), conversation)
     _system(body.get("system"), conversation)
@@ -93,28 +97,38 @@ def _conversation(body: dict) -> tuple[Conversation, list[dict] | None]:
     fields.array(messages, "messages", "a non-empty list of messages", empty=False)
     for i, message in enumerate(messages):
         _message(message, f"messages.{i}", conversation)
-    if _marked(body, ""):  # the request's own mark: the end of its last block
-        conversation.mark()
+    retention = _marked(body, "")
+    if retention:  # the request's own mark: the end of its last block
+        conversation.mark(retention)
     if len(conversation.marked) > MAX_MARKS:
         raise ServeRequestError(
             f"at most {MAX_MARKS} blocks may have cache_control, found {len(conversation.marked)}",
             param="cache_control",
         )
-    return conversation, tools
+    return conversation, tools, retention
 
 
-def _marked(block: dict, where: str) -> bool:
-    """Whether a block (or the request) has a cache_control mark; the mark's ttl
-    is accepted and not used: the store keeps nodes by its own budgets."""
+def _marked(block: dict, where: str) -> str | None:
+    """The ttl of a block's (or the request's) cache_control mark ("5m" unless it
+    says "1h"), None without one: the store keeps the prefix that long while
+    its budgets allow."""
     mark = block.get("cache_control")
     if mark is None:
-        return False
+        return None
     at = f"{where}.cache_control" if where else "cache_control"
     if not isinstance(mark, dict) or mark.get("type") != "ephemeral":
         raise fields.bad(at, "{'type': 'ephemeral'}", mark)
-    if mark.get("ttl", "5m") not in ("5m", "1h"):
-        raise fields.bad(f"{at}.ttl", "'5m' or '1h'", mark["ttl"])
-    return True
+    ttl = mark.get("ttl", "5m")
+    if ttl not in ("5m", "1h"):
+        raise fields.bad(f"{at}.ttl", "'5m' or '1h'", ttl)
+    return ttl
+
+
+def _mark(block: dict, where: str, conversation: Conversation) -> None:
+    """The conversation so far is a marked prefix when the block has cache_control."""
+    ttl = _marked(block, where)
+    if ttl:
+        conversation.mark(ttl)
 
 
 def _tools(value, conversation: Conversation) -> list[dict] | None:
@@ -131,8 +145,7 @@ def _tools(value, conversation: Conversation) -> list[dict] | None:
                 param=f"{where}.type",
             )
         out.append(fields.function_tool(tool, where, "input_schema", schema_required=True))
-        if _marked(tool, where):
-            conversation.mark()
+        _mark(tool, where, conversation)
     return out or None
 
 
@@ -151,8 +164,7 @@ def _system(value, conversation: Conversation) -> None:
         if block.get("type") != "text":
             raise fields.bad(f"{where}.type", "'text'", block.get("type", fields.MISSING))
         message["content"] += fields.text(block.get("text"), f"{where}.text")
-        if _marked(block, where):
-            conversation.mark()
+        _mark(block, where, conversation)
 
 
 def _message(message, where: str, conversation: Conversation) -> None:
@@ -177,8 +189,7 @@ def _message(message, where: str, conversation: Conversation) -> None:
                 param=f"{at}.type",
             )
         add(turn, block, at)
-        if _marked(block, at):
-            conversation.mark()
+        _mark(block, at, conversation)
     turn.close()
 
 

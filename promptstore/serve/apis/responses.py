@@ -50,6 +50,8 @@ class ResponsesAPI(Exchange):
             stop=[],
             stream=checked_.stream,
             sampling=sampling,
+            retention=checked_.prompt_cache_retention,
+            cache_key=checked_.prompt_cache_key,
         )
 
     def error_body(self, status: int, message: str, param: str | None) -> dict:
