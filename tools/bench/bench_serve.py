@@ -364,7 +364,7 @@ def run_workload(workload: str, w: dict, base: Setup, names: list[str], args, ru
         "restarts": restarts,
         "promptstore_log": promptstore_log(log_lines(servers[PROMPTSTORE])) if PROMPTSTORE in servers else None,
         "vllm_mlx_log": vllm_log(log_lines(servers[VLLM_MLX])) if VLLM_MLX in servers else None,
-        "disk_bytes": {name: du(work / d) for name, d in DISK.items() if name in servers},
+        "disk_bytes": {name: du(work / d) for name, d in DISK.items() if name.split(" (")[0] in servers},
     }
     if workload == "pressure":
         out["full_prefill"] = compare_with_full_prefill(run.rows, setup)
@@ -551,6 +551,16 @@ def main() -> int:
     p.add_argument("--serve-args", default="", help="extra options for promptstore serve (one string)")
     p.add_argument("--keep-work", action="store_true", help="keep the model, stores and logs (removed by default)")
     p.add_argument("--out", help="JSON path (default bench-results/serve-<profile>.json)")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="add this call's runs to those already in the result file (same profile): a run split over "
+        "several calls, one workload each, say",
+    )
+    p.add_argument(
+        "--model-dir", help="write the model here, or read it when it is there already (default: the work folder)"
+    )
+    p.add_argument("--skip-generated", action="store_true", help=argparse.SUPPRESS)  # earlier runs' commands
     p.add_argument("--note", default="", help="a sentence on this run kept in the result (the machine, say)")
     p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = p.parse_args()
@@ -574,11 +584,14 @@ def main() -> int:
 def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
     profile = PROFILES[args.profile]
     started = time.perf_counter()
-    model = write_model_dir(
-        work / "model", "llama", vocab_size=VOCAB, dtype=getattr(mx, profile["dtype"]), **profile["model"]
-    )
-    mx.clear_cache()
-    print(f"model written in {time.perf_counter() - started:.1f} s: {profile['note']}", flush=True)
+    model = Path(args.model_dir) if args.model_dir else work / "model"
+    if (model / "config.json").exists():
+        print(f"model read from {model}: {profile['note']}", flush=True)
+    else:
+        dtype = getattr(mx, profile["dtype"])
+        write_model_dir(model, "llama", vocab_size=VOCAB, dtype=dtype, **profile["model"])
+        mx.clear_cache()
+        print(f"model written in {time.perf_counter() - started:.1f} s: {profile['note']}", flush=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if args.profile == "cpu" and Path(OPENBLAS_HINT).exists():
         env["LD_PRELOAD"] = OPENBLAS_HINT  # every server: a fair float32 prefill
@@ -604,31 +617,34 @@ def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
     )
     if args.warm_up_process:
         warm_up_process(base, profile)
-    workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
-    results: dict[str, dict] = {name: {} for name in names}
-    details: dict[str, list] = {}
-    for workload in workloads:
-        w = profile[workload]
-        for n in range(args.runs):
-            print(f"{workload}, run {n + 1} of {args.runs}:", flush=True)
-            details.setdefault(workload, []).append(run_workload(workload, w, base, names, args, n))
-        for name, rounds in summarize(workload, details[workload], names).items():
-            results[name][workload] = rounds
+    before = earlier(out_path, args) if args.merge else {}
+    details: dict[str, list] = dict(before.get("details", {}))
+    for workload in list(WORKLOADS) if args.workload == "all" else [args.workload]:
+        done = details.get(workload, [])
+        details[workload] = list(done)
+        for n in range(len(done), len(done) + args.runs):
+            print(f"{workload}, run {n + 1} ({args.runs} in this call):", flush=True)
+            details[workload].append(run_workload(workload, profile[workload], base, names, args, n))
+    results: dict[str, dict] = {}
+    for workload in [w for w in WORKLOADS if w in details]:
+        ran = [n for n in SERVERS if any(r["server"] == n for r in details[workload][0]["rows"])]
+        for name, rounds in summarize(workload, details[workload], ran).items():
+            results.setdefault(name, {})[workload] = rounds
     kv = kv_bytes_per_token(profile)
     payload = {
         "benchmark": "serve-peers",
         "profile": args.profile,
         "device": describe_device(),
-        "command": command(args),
+        "commands": [*before.get("commands", []), command(args)],
         "note": profile["note"],
-        "run_note": args.note,
-        "runs": args.runs,
-        "wall_s": time.perf_counter() - started,
-        "servers": names,
-        "skipped": skipped,
+        "run_note": "; ".join(n for n in (before.get("run_note"), args.note) if n),
+        "wall_s": before.get("wall_s", 0) + time.perf_counter() - started,
+        "servers": sorted(results, key=SERVERS.index),
+        "skipped": before.get("skipped", {}) | skipped,
         "versions": versions(names, base),
         "workloads": {
-            k: dict(profile[k], kv_bytes_per_token=kv, wall_s=sum(d["wall_s"] for d in details[k])) for k in workloads
+            k: dict(profile[k], kv_bytes_per_token=kv, runs=len(v), wall_s=sum(d["wall_s"] for d in v))
+            for k, v in details.items()
         },
         "server_ld_preload": Path(env.get("LD_PRELOAD", "")).name,
         "results": results,
@@ -636,12 +652,26 @@ def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
         "after_sigterm": restart_figures(results),
         "details": details,
     }
+    # Log lines name the run's temporary folder: keep the result free of this machine's paths.
+    payload = json.loads(json.dumps(payload).replace(str(work), "<work>"))
     out = write_results(out_path, payload, blas)
     print_report(json.loads(out.read_text()))
     print(f"wrote {out}")
     if not args.no_docs and not args.out:
         write_docs()
     return 0
+
+
+def earlier(out_path: str, args) -> dict:
+    """The result file's runs to add to (--merge): the same benchmark and profile, else none."""
+    path = Path(out_path) if Path(out_path).is_absolute() else Path(__file__).resolve().parents[2] / out_path
+    if not path.exists():
+        return {}
+    doc = json.loads(path.read_text())
+    if doc.get("benchmark") != "serve-peers" or doc.get("profile") != args.profile:
+        print(f"--merge: {path} holds another benchmark or profile; not merged", flush=True)
+        return {}
+    return doc
 
 
 def command(args) -> str:

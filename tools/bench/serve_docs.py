@@ -92,21 +92,29 @@ def goal_rows(doc: dict, workload: str | None = None) -> list[tuple[str, float |
 
 
 def section(name: str, where: str, doc: dict) -> str:
-    run_note = f" {doc['run_note']}." if doc.get("run_note") else ""
+    note = doc.get("run_note") or ""
+    run_note = f" {note[:1].upper()}{note[1:]}." if note else ""
     skipped = "".join(f" {k} was not run: {v}." for k, v in doc.get("skipped", {}).items())
     lines = [
         f"### {where}: `bench-results/{name}`",
         "",
-        f"`{doc['command']}`, {doc['date'][:10]}, {doc['device']}; {doc['note']}. Medians over {doc['runs']} "
-        f"run(s) of each workload's TTFT p50 over its users; the whole run took {doc['wall_s'] / 60:.1f} min."
-        f"{run_note}{skipped} Versions: {versions(doc)}.",
+        " then ".join(f"`{c}`" for c in doc["commands"])
+        + f", {doc['date'][:10]}, {doc['device']}; {doc['note']}. Each figure is the median over runs of a round's "
+        f"TTFT p50 over its users; the whole run took {doc['wall_s'] / 60:.1f} min.{run_note}{skipped} "
+        f"Versions: {versions(doc)}.",
         "",
         "Each cell is a round's TTFT p50 and, in brackets, the share of the prompt the server restored from its "
         "cache (mlx_lm.server and promptstore serve in their replies' usage, vllm-mlx in its log).",
     ]
     for workload in doc["workloads"]:
         w = doc["workloads"][workload]
-        lines += ["", f"#### {WHAT[workload]}", "", describe(workload, w) + f"; {w['wall_s'] / 60:.1f} min.", ""]
+        lines += [
+            "",
+            f"#### {WHAT[workload]}",
+            "",
+            describe(workload, w) + f"; {w['runs']} run(s), {w['wall_s'] / 60:.1f} min.",
+            "",
+        ]
         head = header(doc)
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows(doc, workload)]
@@ -163,7 +171,13 @@ def sections(results: Path) -> str:
         "Rendered from the result files of `tools/bench/bench_serve.py` (`make peers` installs vllm-mlx). Every "
         "server runs the same model directory with the same memory budget and its own best caching settings, and "
         "they answer the same requests in turn. A goal missed is shown as MISSED; the result file holds each "
-        "round's figures per run and promptstore serve's per-request timelines that explain it."
+        "round's figures per run and promptstore serve's per-request timelines that explain it.\n\n"
+        "vllm-mlx 0.6.0 as measured here: its stream opens with an empty chunk, so TTFT is taken at the first "
+        "chunk with text, for every server; its replies keep a leading space mlx-lm's drop, so its conversations' "
+        "later prompts differ from the others' by that space, and its replies are checked against its own "
+        "software with the prefix cache off; its SSD tier holds a prompt with its generated tokens, a prefix of "
+        "the next turn only where the template renders the reply back to the same tokens, and it turns a "
+        "promotion down when the memory budget is full (`budget denied` in its log) instead of evicting for it."
     )
     return "\n\n".join([head, *parts])
 
