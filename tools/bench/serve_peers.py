@@ -70,7 +70,9 @@ def vllm_server(s: Setup, common: list[str], cache: bool = True) -> Server:
     env |= {"HOME": str(home)} | ({"PYTHONPATH": s.vllm_pythonpath} if s.vllm_pythonpath else {})
     cmd = [s.vllm_python, "-m", "vllm_mlx.cli", "serve", str(s.model), "--continuous-batching"]
     if cache:
+        # Its SSD tier's default cap (10 GB) is under the cuda profile's pressure workload.
         cmd += ["--cache-memory-mb", str(max(1, s.budget_bytes >> 20)), "--ssd-cache-dir", str(ssd)]
+        cmd += ["--ssd-cache-max-gb", "32"]
     else:
         cmd += ["--disable-prefix-cache"]
     cmd += [*common, "--offline"]
