@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 BLAS_ENV := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 
-.PHONY: setup demo test test-slow test-gpu cold-stress lint format bench bench-anchors soak soak-quick openblas redis redis-cluster redis-sentinel clean
+.PHONY: setup demo test test-slow test-gpu cold-stress lint format bench bench-anchors peers bench-serve soak soak-quick openblas redis redis-cluster redis-sentinel clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -91,6 +91,20 @@ bench: setup
 # writes bench-results/anchors-cpu.json (+ .png) and docs/benchmarks.md.
 bench-anchors: setup
 	$(BLAS_ENV) $(BIN)/python tools/bench/bench_anchors.py
+
+# vllm-mlx 0.6.0, a peer server for tools/bench/bench_serve.py, in a venv of its own under .peers/
+# (git-ignored; never a dependency of promptstore): it pins mlx-lm < 0.32, and on Linux it serves on
+# MLX's CPU backend (mlx[cpu]). About 6.5 GB: its dependencies bring torch with CUDA libraries.
+PEERS_VENV := .peers/vllm-mlx
+peers:
+	@test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install --quiet vllm-mlx==0.6.0 'mlx[cpu]'
+
+# promptstore serve beside mlx_lm.server and vllm-mlx on three workloads (chat with restarts, memory
+# pressure, one agent), three runs each; writes bench-results/serve-cpu.json and docs/benchmarks.md.
+bench-serve: setup peers
+	$(BLAS_ENV) $(BIN)/python tools/bench/bench_serve.py
 
 # Longer fault, corruption and concurrency runs; prints figures, writes bench-results/soak.json.
 soak: setup

@@ -1,55 +1,69 @@
-"""promptstore serve against mlx_lm.server on LMCache's multi-round QA workload.
+"""promptstore serve against its peers, mlx_lm.server and vllm-mlx, on three workloads.
 
-Several users, each with a shared system prompt, a context of its own and
-several rounds of question and answer over a growing history (synthetic
-text through a chat template), scaled to a 2-core CPU. Phases: fill (every
-round), restart (both servers stopped and started again), resume (each user's
-next round: the first request after the restart), then one more round.
-Users ask at once, except in the first round, where one user goes first.
-The servers answer the same requests in turn, round by round (the one that
-goes first alternates), so both see the same machine load.
+Every server runs the same model directory with the same memory budget for
+cached prompts and its own best caching settings (mlx_lm.server: its LRU
+prompt cache; vllm-mlx: continuous batching, its memory-aware prefix cache,
+its SSD tier and, where a system prompt is known, its warm prompts;
+promptstore serve: its store). The servers answer the same requests in turn,
+the one that goes first rotating, so each sees the same machine load.
 
-Prints a table; writes bench-results/serve.json.
+- chat: LMCache's multi-round QA: users with a shared system prompt and a
+  context of their own over several rounds; then every server stopped by
+  SIGTERM and started again on its same folders, the next round timed, one
+  more round; then the same after a SIGKILL.
+- pressure: conversations whose state is several times the memory budget,
+  visited round-robin (one request at a time), so a returning conversation
+  finds its state evicted from memory; every reply compared with a full
+  prefill's (mlx_lm.server with no prompt cache) at temperature 0.
+- single: one conversation alone, hot, several rounds: what one agent sees.
+
+Each workload runs --runs times on fresh servers and folders; a round's
+figure is the median over runs of its TTFT p50 over users. Prints the tables
+and the goals; writes bench-results/serve-<profile>.json and renders its
+section of docs/benchmarks.md (tools/bench/serve_docs.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import httpx
 import mlx.core as mx
-import numpy as np
-from common import (
-    OPENBLAS_HINT,
-    blas_info,
-    blas_warning,
-    describe_device,
-    drop_page_cache,
-    print_goals,
-    write_results,
-)
-from openai import OpenAI
+from common import OPENBLAS_HINT, blas_info, blas_warning, describe_device, drop_page_cache, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from promptstore.snapshots.page_cache import resident_bytes  # noqa: E402
+from serve_docs import print_report, write_docs  # noqa: E402
+from serve_peers import (  # noqa: E402
+    MLX_LM,
+    PEERS,
+    PROMPTSTORE,
+    REQUEST_TIMEOUT_S,
+    VLLM_MLX,
+    Server,
+    Setup,
+    ask,
+    build,
+    promptstore_log,
+    reference_server,
+    vllm_log,
+    vllm_missing,
+)
+
 from promptstore.testing.model_dir import write_model_dir  # noqa: E402
 from promptstore.testing.tokenizer import CORPUS, demo_tokenizer  # noqa: E402
 
+MiB, GiB = 1 << 20, 1 << 30
 PROFILES = {
-    # The demo's model: prefill dominates on CPU at these prompt lengths.
+    # The demo's model in float32 on 2 CPU cores: prefill dominates at these lengths.
     "cpu": dict(
         model=dict(
             num_hidden_layers=4,
@@ -60,11 +74,9 @@ PROFILES = {
             intermediate_size=512,
         ),
         dtype="float32",
-        users=6,
-        rounds=4,
-        system_tokens=1024,
-        context_tokens=256,
-        answer_tokens=32,
+        chat=dict(users=4, rounds=3, system_tokens=768, context_tokens=256, answer_tokens=24, budget=256 * MiB),
+        pressure=dict(conversations=16, context_tokens=1024, passes=3, answer_tokens=16, budget=16 * MiB),
+        single=dict(system_tokens=1024, context_tokens=1024, rounds=6, answer_tokens=24, budget=256 * MiB),
         note="the demo's llama (4 layers, hidden 256) in float32 on CPU, OpenBLAS preloaded when installed",
     ),
     # LMCache's multi-round QA in Llama-3.1-8B's shape (random weights; the demo
@@ -81,15 +93,22 @@ PROFILES = {
             rope_theta=500000.0,
         ),
         dtype="bfloat16",
-        users=4,
-        rounds=4,
-        system_tokens=1900,
-        context_tokens=2900,
-        answer_tokens=48,
+        chat=dict(users=4, rounds=4, system_tokens=1900, context_tokens=2900, answer_tokens=48, budget=8 * GiB),
+        pressure=dict(conversations=16, context_tokens=4096, passes=3, answer_tokens=32, budget=2 * GiB),
+        single=dict(system_tokens=2048, context_tokens=6144, rounds=6, answer_tokens=48, budget=8 * GiB),
         note="Llama-3.1-8B's shape (32 layers, hidden 4096, 8 KV heads of 128) with random bfloat16 weights "
         "and the demo tokenizer's 1,024-token vocabulary",
     ),
 }
+# A smoke test of the bench itself, well under its goals' sizes: a minute or two.
+PROFILES["quick"] = dict(
+    PROFILES["cpu"],
+    chat=dict(users=2, rounds=2, system_tokens=256, context_tokens=64, answer_tokens=8, budget=64 * MiB),
+    pressure=dict(conversations=4, context_tokens=256, passes=2, answer_tokens=8, budget=1 * MiB),
+    single=dict(system_tokens=256, context_tokens=256, rounds=3, answer_tokens=8, budget=64 * MiB),
+)
+WORKLOADS = ("chat", "pressure", "single")
+SERVERS = (MLX_LM, VLLM_MLX, PROMPTSTORE)
 VOCAB = 1024
 QUESTIONS = [
     "What does the passage above say about the harbour?",
@@ -99,8 +118,7 @@ QUESTIONS = [
     "Can you explain the tides in simpler words?",
     "What should a visitor see first?",
 ]
-START_DEADLINE_S = 180.0
-REQUEST_TIMEOUT_S = 600.0
+SETTLE_S = 2.0  # before a stop: spills written through land, as they would on a server at rest
 
 
 def text_of(tokens: int, start: int) -> str:
@@ -122,575 +140,590 @@ def text_of(tokens: int, start: int) -> str:
     return " ".join(words[:lo])
 
 
-class Server:
-    """A server process on a free loopback port."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict, log: Path):
-        self.name, self.cmd, self.env, self.log = name, cmd, env, log
-        self.proc = None
-        self.port = 0
-
-    def start(self) -> Server:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(
-                [*self.cmd, "--host", "127.0.0.1", "--port", str(self.port)], stdout=log, stderr=log, env=self.env
-            )
-        deadline = time.monotonic() + START_DEADLINE_S
-        with httpx.Client(trust_env=False, timeout=5) as http:
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    if http.get(f"http://127.0.0.1:{self.port}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-            else:
-                self.kill()
-                raise RuntimeError(f"{self.name} did not start; see {self.log}")
-        self._warm_up()
-        return self
-
-    def _warm_up(self) -> None:
-        """One untimed request unrelated to the workload: first-call costs are not a cache's."""
-        ask(self.client(), [{"role": "user", "content": "Warm up."}], 4)
-
-    def client(self) -> OpenAI:
-        http = httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S)
-        return OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, http_client=http)
-
-    def written(self) -> int:
-        """Bytes this process has caused to be written to storage (Linux)."""
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/io").read_text().splitlines():
-                if line.startswith("write_bytes:"):
-                    return int(line.split()[1])
-        except OSError:
-            pass
-        return 0
-
-    def storage_reads(self) -> dict[str, int]:
-        """What this process has read from storage so far (Linux): bytes through
-        read calls that reached the disk, and major page faults (pages of mapped
-        files, such as libraries, read from disk at first touch)."""
-        out = {}
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/io").read_text().splitlines():
-                if line.startswith("read_bytes:"):
-                    out["read_bytes"] = int(line.split()[1])
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out["major_faults"] = int(fields[9])  # majflt: field 12 of stat, the 10th after the name
-        except (OSError, IndexError, ValueError):
-            pass
-        return out
-
-    def health(self) -> dict | str:
-        """/health's answer now."""
-        try:
-            with httpx.Client(trust_env=False, timeout=5) as http:
-                r = http.get(f"http://127.0.0.1:{self.port}/health")
-            return r.json() if "json" in r.headers.get("content-type", "") else r.text[:200]
-        except (httpx.HTTPError, ValueError) as e:
-            return f"no answer: {e}"
-
-    def resident(self) -> dict[str, int]:
-        """Bytes in the page cache of each file this process maps (Linux)."""
-        return {path: resident_bytes(path) or 0 for path in mapped_files(self.proc.pid)}
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return -9
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=60)
+def kv_bytes_per_token(profile: dict) -> int:
+    m = profile["model"]
+    return 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * m["head_dim"] * getattr(mx, profile["dtype"]).size
 
 
-def ask(client: OpenAI, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed greedy chat completion: TTFT, tokens, cached, reply."""
-    started = time.perf_counter()
-    ttft, text, usage = None, "", None
-    stream = client.chat.completions.create(
-        model="default_model",
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
+class Run:
+    """One run of one workload: the servers, their conversations and what they answered."""
+
+    def __init__(self, servers: dict[str, Server]):
+        self.servers = servers
+        self.rows: list[dict] = []  # one per request: server, round, user, ttft_s, replies...
+        self.rounds: list[str] = []
+        self.round_diagnostics: dict[str, dict[str, dict]] = {}
+        self.turn = 0  # rotates who goes first
+
+    def order(self) -> list[str]:
+        names = list(self.servers)
+        k = self.turn % len(names)
+        self.turn += 1
+        return names[k:] + names[:k]
+
+    def round(self, label: str, asks: dict[str, list[tuple[int, list[dict]]]], max_tokens: int, waves=None) -> None:
+        """Every server in turn answers its requests of this round, at once
+        (`waves`: lists of users sent one after the other)."""
+        self.rounds.append(label)
+        for name in self.order():
+            server = self.servers[name]
+            offset = server.log.stat().st_size if server.log.exists() else 0
+            before = server.storage_reads() if "after" in label else {}
+            health = server.health() if "after" in label else None
+            answers = fire(server, asks[name], max_tokens, waves)
+            for user, answer in answers.items():
+                self.rows.append(dict(answer, server=name, round=label, user=user))
+            diag = log_window(server, offset)
+            if "after" in label:
+                after = server.storage_reads()
+                diag |= {"storage_reads": {k: after[k] - before.get(k, 0) for k in after}, "health_before": health}
+            self.round_diagnostics.setdefault(label, {})[name] = diag
+            p50 = statistics.median(a["ttft_s"] for a in answers.values()) * 1e3
+            print(f"  {label}: {name} TTFT p50 {p50:,.0f} ms", flush=True)
+
+
+def fire(server: Server, asks: list[tuple[int, list[dict]]], max_tokens: int, waves=None) -> dict[int, dict]:
+    """Send (user, messages) requests at once, in waves when given; answers by user."""
+    client = server.client()
+    out: dict[int, dict] = {}
+
+    def one(user: int, messages: list[dict]) -> None:
+        out[user] = ask(server, messages, max_tokens, client)
+
+    by_user = dict(asks)
+    for wave in waves or [list(by_user)]:
+        threads = [threading.Thread(target=one, args=(u, by_user[u])) for u in wave]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=REQUEST_TIMEOUT_S)
+    if len(out) != len(by_user):
+        print(f"{server.name}'s log, last lines:\n{server.log_tail()}", file=sys.stderr)
+        raise RuntimeError(f"{server.name}: a request failed")
+    return out
+
+
+def log_window(server: Server, offset: int) -> dict:
+    """What the server's log says about the requests since `offset`."""
+    if not server.log.exists():
+        return {}
+    with open(server.log, "rb") as f:
+        f.seek(offset)
+        lines = f.read().decode(errors="replace").splitlines()
+    if server.name == PROMPTSTORE:
+        d = promptstore_log(lines)
+        rows = d["timelines"]
+        restored = [r["restored"] / r["prompt"] for r in rows if r["prompt"]]
+        return {
+            "restored_share": statistics.mean(restored) if restored else None,
+            "from_disk_tokens": sum(r["from_disk"] for r in rows),
+            "timelines": rows,
+        }
+    if server.name == VLLM_MLX:
+        d = vllm_log(lines)
+        rows = d["fetches"]
+        return {
+            "restored_share": statistics.mean(r["cached"] / r["prompt"] for r in rows) if rows else None,
+            "ssd_promotions": len(d["ssd_promotions"]),
+        }
+    return {}
+
+
+# ---- the workloads ---------------------------------------------------------------
+
+
+def chat(run: Run, w: dict, restart) -> None:
+    """Rounds of every user at once, then a SIGTERM restart and a SIGKILL restart."""
+    system = text_of(w["system_tokens"], 0)
+    own = [text_of(w["context_tokens"], 11 * (u + 1)) for u in range(w["users"])]
+    first = [[{"role": "system", "content": system + "\n\n" + text}] for text in own]
+    convs = {name: [list(f) for f in first] for name in run.servers}
+    for n in range(1, w["rounds"] + 5):
+        if n == w["rounds"] + 1:
+            restart("SIGTERM")
+        if n == w["rounds"] + 3:
+            restart("SIGKILL")
+        label = f"round {n}" + {w["rounds"] + 1: ", after SIGTERM", w["rounds"] + 3: ", after SIGKILL"}.get(n, "")
+        question = {"role": "user", "content": QUESTIONS[(n - 1) % len(QUESTIONS)]}
+        asks = {name: [(u, c + [question]) for u, c in enumerate(cs)] for name, cs in convs.items()}
+        # The first round opens with one user alone, so every server holds the
+        # shared system prompt when the others arrive, as a server in use would.
+        waves = [[0], list(range(1, w["users"]))] if n == 1 else None
+        run.round(label, asks, w["answer_tokens"], waves)
+        for name, cs in convs.items():
+            for u, c in enumerate(cs):
+                reply = answer_of(run, name, label, u)
+                cs[u] = c + [question, {"role": "assistant", "content": reply}]
+
+
+def pressure(run: Run, w: dict) -> None:
+    """Conversations visited round-robin, one request at a time."""
+    convs = {
+        name: [
+            [{"role": "system", "content": text_of(w["context_tokens"], 13 * c + 3)}] for c in range(w["conversations"])
+        ]
+        for name in run.servers
+    }
+    for p in range(1, w["passes"] + 1):
+        label = f"pass {p}" + (" (first visits)" if p == 1 else " (returning)")
+        run.rounds.append(label)
+        offsets = {name: s.log.stat().st_size if s.log.exists() else 0 for name, s in run.servers.items()}
+        for c in range(w["conversations"]):
+            question = {"role": "user", "content": QUESTIONS[(p + c) % len(QUESTIONS)]}
+            for name in run.order():
+                messages = convs[name][c] + [question]
+                answer = ask(run.servers[name], messages, w["answer_tokens"])
+                run.rows.append(dict(answer, server=name, round=label, user=c, messages=messages))
+                convs[name][c] = messages + [{"role": "assistant", "content": answer["reply"]}]
+        for name, server in run.servers.items():
+            run.round_diagnostics.setdefault(label, {})[name] = log_window(server, offsets[name])
+            p50 = statistics.median(r["ttft_s"] for r in run.rows if r["round"] == label and r["server"] == name)
+            print(f"  {label}: {name} TTFT p50 {p50 * 1e3:,.0f} ms", flush=True)
+
+
+def single(run: Run, w: dict) -> None:
+    """One conversation alone: a system prompt, its own context, then rounds."""
+    system = text_of(w["system_tokens"], 2)
+    context = text_of(w["context_tokens"], 29)
+    convs = {name: [{"role": "system", "content": system}] for name in run.servers}
+    for n in range(1, w["rounds"] + 1):
+        text = QUESTIONS[(n - 1) % len(QUESTIONS)]
+        question = {"role": "user", "content": context + "\n\n" + text if n == 1 else text}
+        label = f"round {n}"
+        run.round(label, {name: [(0, c + [question])] for name, c in convs.items()}, w["answer_tokens"])
+        for name, c in convs.items():
+            convs[name] = c + [question, {"role": "assistant", "content": answer_of(run, name, label, 0)}]
+
+
+def answer_of(run: Run, name: str, label: str, user: int) -> str:
+    return next(r["reply"] for r in run.rows if (r["server"], r["round"], r["user"]) == (name, label, user))
+
+
+def warm_prompts(workload: str, w: dict) -> list[list[dict]] | None:
+    """vllm-mlx's warm prompts: the system prompt a deployment knows before any request."""
+    if workload == "chat":
+        return [[{"role": "system", "content": text_of(w["system_tokens"], 0)}]]
+    if workload == "single":
+        return [[{"role": "system", "content": text_of(w["system_tokens"], 2)}]]
+    return None  # pressure: no prompt is shared or known ahead
+
+
+def run_workload(workload: str, w: dict, base: Setup, names: list[str], args, run_no: int) -> dict:
+    """One run of `workload` on fresh servers and folders; its rows and diagnostics."""
+    work = base.work / f"{workload}-{run_no}"
+    work.mkdir(parents=True)
+    setup = Setup(
+        **{
+            **base.__dict__,
+            "work": work,
+            "budget_bytes": w["budget"],
+            "answer_tokens": w["answer_tokens"],
+            "warm_prompts": warm_prompts(workload, w),
+        }
     )
-    for chunk in stream:
-        if chunk.choices and ttft is None:
-            ttft = time.perf_counter() - started
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-        if chunk.usage is not None:
-            usage = chunk.usage
-    details = usage.prompt_tokens_details
-    return {
-        "ttft_s": ttft if ttft is not None else time.perf_counter() - started,
-        "prompt_tokens": usage.prompt_tokens,
-        "cached_tokens": (details.cached_tokens if details else 0) or 0,
-        "completion_tokens": usage.completion_tokens,
-        "reply": text,
+    servers = {name: build(name, setup) for name in names}
+    started = time.perf_counter()
+    k = run_no % len(names)  # who starts first rotates too
+    for name in names[k:] + names[:k]:
+        servers[name].start()
+    run = Run(servers)
+    restarts: dict[str, dict] = {}
+
+    def restart(how: str) -> None:
+        time.sleep(SETTLE_S)
+        t0 = time.perf_counter()
+        for server in servers.values():
+            server.stop() if how == "SIGTERM" else server.kill()
+        dropped = drop_page_cache() if args.drop_page_cache else None
+        for name in run.order():
+            if dropped:  # each starts alone after the page cache was emptied
+                drop_page_cache()
+            t1 = time.perf_counter()
+            servers[name].start()
+            restarts.setdefault(how, {})[name] = {"start_s": time.perf_counter() - t1}
+        restarts[how]["page_cache_dropped"] = dropped
+        print(f"  {how}: every server stopped and started again in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    try:
+        if workload == "chat":
+            chat(run, w, restart)
+        elif workload == "pressure":
+            pressure(run, w)
+        else:
+            single(run, w)
+        time.sleep(SETTLE_S)
+    finally:
+        for server in servers.values():
+            if server.running():
+                server.stop()
+    out = {
+        "wall_s": time.perf_counter() - started,
+        "rounds": run.rounds,
+        "rows": run.rows,
+        "round_diagnostics": run.round_diagnostics,
+        "restarts": restarts,
+        "promptstore_log": promptstore_log(log_lines(servers[PROMPTSTORE])) if PROMPTSTORE in servers else None,
+        "vllm_mlx_log": vllm_log(log_lines(servers[VLLM_MLX])) if VLLM_MLX in servers else None,
+        "disk_bytes": {name: du(work / d) for name, d in DISK.items() if name.split(" (")[0] in servers},
     }
+    if workload == "pressure":
+        out["full_prefill"] = compare_with_full_prefill(run.rows, setup)
+    if not args.keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
 
 
-class Contender:
-    """One server and its users' conversations."""
-
-    def __init__(self, server: Server, conversations: list[list[dict]]):
-        self.server = server
-        self.conversations = [list(c) for c in conversations]
-        self.results: list[dict] = []
-
-    def round(self, phase: str, turn: int, max_tokens: int) -> float:
-        """Every user's next question, at once; returns the wall time."""
-        client = self.server.client()
-        out: list[dict | None] = [None] * len(self.conversations)
-
-        def user(u: int) -> None:
-            before = previous_turn(self.conversations[u])
-            messages = self.conversations[u] + [{"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]}]
-            out[u] = dict(ask(client, messages, max_tokens), phase=phase, turn=turn, user=u)
-            if before is not None:  # the share of the previous reply (as rendered) this request restored
-                start, end = before
-                out[u]["previous_reply_restored"] = min(max((out[u]["cached_tokens"] - start) / (end - start), 0), 1)
-            self.conversations[u] = messages + [{"role": "assistant", "content": out[u]["reply"]}]
-
-        started = time.perf_counter()
-        # The first round opens with one user alone, so that every server holds the
-        # shared system prompt when the others arrive (as a server in use would),
-        # instead of whichever requests happened to arrive after the first's prefill.
-        waves = [[0], list(range(1, len(out)))] if turn == 0 else [list(range(len(out)))]
-        for wave in waves:
-            threads = [threading.Thread(target=user, args=(u,)) for u in wave]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=REQUEST_TIMEOUT_S)
-        wall = time.perf_counter() - started
-        if any(r is None for r in out):
-            tail = self.server.log.read_text(errors="replace").splitlines()[-40:] if self.server.log.exists() else []
-            print(f"{self.server.name}'s log, last lines:\n" + "\n".join(tail), file=sys.stderr)
-            raise RuntimeError(f"{self.server.name}: a request failed in {phase} turn {turn}")
-        for r in out:
-            r["round_wall_s"] = wall
-        self.results += out
-        return wall
+def log_lines(server: Server) -> list[str]:
+    return server.log.read_text(errors="replace").splitlines() if server.log.exists() else []
 
 
-def previous_turn(conversation: list[dict]) -> tuple[int, int] | None:
-    """Where the last reply starts and ends in the next prompt's tokens, or None."""
-    if conversation[-1]["role"] != "assistant":
-        return None
-    tok = demo_tokenizer(VOCAB)
-    start = len(tok.apply_chat_template(conversation[:-1], add_generation_prompt=True))
-    return start, len(tok.apply_chat_template(conversation, add_generation_prompt=False))
+DISK = {PROMPTSTORE: "store", VLLM_MLX: "vllm-ssd", f"{VLLM_MLX} (saved at SIGTERM)": "vllm-home"}
 
 
-def summarize(results: list[dict], phase: str, walls: list[float]) -> dict:
-    rows = [r for r in results if r["phase"] == phase]
-    ttft = [r["ttft_s"] for r in rows]
-    turns = sorted({r["turn"] for r in rows})
-    return {
-        "requests": len(rows),
-        "ttft_p50_s": float(np.percentile(ttft, 50)),
-        "ttft_p95_s": float(np.percentile(ttft, 95)),
-        "requests_per_s": len(rows) / sum(walls),
-        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-        "prefill_tokens": sum(r["prompt_tokens"] - r["cached_tokens"] for r in rows),
-        "previous_reply_restored_per_turn": {
-            str(t): statistics.mean(r["previous_reply_restored"] for r in rows if r["turn"] == t)
-            for t in turns
-            if any("previous_reply_restored" in r for r in rows if r["turn"] == t)
-        },
-        "restored_share_per_turn": {
-            str(t): statistics.mean(r["cached_tokens"] / r["prompt_tokens"] for r in rows if r["turn"] == t)
-            for t in turns
-        },
-    }
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def compare_with_full_prefill(rows: list[dict], setup: Setup) -> dict:
+    """Every pressure request again through its server's software with no prompt
+    cache (mlx_lm.server's for promptstore serve); each reply against that one."""
+    replies: dict[tuple[str, str], str] = {}
+    for kind in dict.fromkeys(VLLM_MLX if r["server"] == VLLM_MLX else MLX_LM for r in rows):
+        ref = reference_server(kind, setup).start()
+        try:
+            for r in rows:
+                key = (kind, json.dumps(r["messages"]))
+                if (VLLM_MLX if r["server"] == VLLM_MLX else MLX_LM) == kind and key not in replies:
+                    replies[key] = ask(ref, r["messages"], setup.answer_tokens)["reply"]
+        finally:
+            ref.stop()
+    out: dict[str, dict] = {}
+    for r in rows:
+        kind = VLLM_MLX if r["server"] == VLLM_MLX else MLX_LM
+        same = replies[(kind, json.dumps(r.pop("messages")))] == r["reply"]
+        r["equals_full_prefill"] = same
+        s = out.setdefault(r["server"], {"equal": 0, "requests": 0, "differ": []})
+        s["equal"] += same
+        s["requests"] += 1
+        if not same:
+            s["differ"].append({"round": r["round"], "conversation": r["user"]})
+    return out
+
+
+# ---- results ---------------------------------------------------------------------
+
+
+def summarize(workload: str, runs: list[dict], names: list[str]) -> dict:
+    """Per server, per round: the median over runs of the round's TTFT p50 over users."""
+    out: dict[str, dict] = {}
+    for name in names:
+        rounds = {}
+        for label in runs[0]["rounds"]:
+            per_run = [
+                statistics.median(r["ttft_s"] for r in run["rows"] if r["server"] == name and r["round"] == label)
+                for run in runs
+            ]
+            rows = [r for run in runs for r in run["rows"] if r["server"] == name and r["round"] == label]
+            cached = [r["cached_tokens"] / r["prompt_tokens"] for r in rows if r["cached_tokens"] is not None]
+            diag = [run["round_diagnostics"].get(label, {}).get(name, {}) for run in runs]
+            shares = [d["restored_share"] for d in diag if d.get("restored_share") is not None]
+            rounds[label] = {
+                "ttft_p50_s": statistics.median(per_run),
+                "ttft_p50_s_per_run": per_run,
+                "ttft_max_s": max(r["ttft_s"] for r in rows),
+                "requests": len(rows),
+                "restored_share": statistics.mean(cached) if cached else (statistics.mean(shares) if shares else None),
+                "replies_equal_mlx_lm": None,
+            }
+        out[name] = rounds
+    base = MLX_LM if MLX_LM in names else None
+    for name in names:
+        for label, s in out[name].items():
+            if base:
+                a = [r for run in runs for r in run["rows"] if r["server"] == base and r["round"] == label]
+                b = [r for run in runs for r in run["rows"] if r["server"] == name and r["round"] == label]
+                s["replies_equal_mlx_lm"] = f"{sum(x['reply'] == y['reply'] for x, y in zip(a, b))}/{len(a)}"
+    if workload == "pressure":
+        for name in names:
+            eq = [run["full_prefill"][name] for run in runs]
+            out[name]["replies_equal_full_prefill"] = f"{sum(e['equal'] for e in eq)}/{sum(e['requests'] for e in eq)}"
+    return out
+
+
+def goal(what: str, ours: float | None, theirs: float | None, limit: float) -> dict:
+    value = ours / theirs if ours is not None and theirs else None
+    return {"goal": what, "value": value, "limit": limit, "met": None if value is None else value <= limit}
+
+
+def goals(results: dict) -> list[dict]:
+    """The issue's goals as computed ratios of TTFT p50 (None where a server was not run)."""
+    ours = results.get(PROMPTSTORE, {})
+
+    def p50(name: str, workload: str, label: str) -> float | None:
+        return results.get(name, {}).get(workload, {}).get(label, {}).get("ttft_p50_s")
+
+    out = []
+    for workload in ("chat", "single"):
+        for label in ours.get(workload, {}):
+            if not label.startswith("round"):
+                continue
+            if "SIGKILL" in label:
+                for peer in PEERS:
+                    g = goal(
+                        f"{workload}, {label}: vs {peer}",
+                        p50(PROMPTSTORE, workload, label),
+                        p50(peer, workload, label),
+                        0.3,
+                    )
+                    out.append(g)
+            elif "SIGTERM" not in label:
+                peers = [p50(peer, workload, label) for peer in PEERS if p50(peer, workload, label)]
+                g = goal(
+                    f"{workload}, {label}: vs the faster peer",
+                    p50(PROMPTSTORE, workload, label),
+                    min(peers, default=None),
+                    1.0,
+                )
+                out.append(g)
+    for label in ours.get("pressure", {}):
+        if label.startswith("pass") and "first" not in label:
+            for peer, limit in ((VLLM_MLX, 0.5), (MLX_LM, 0.3)):
+                g = goal(
+                    f"pressure, {label}: vs {peer}",
+                    p50(PROMPTSTORE, "pressure", label),
+                    p50(peer, "pressure", label),
+                    limit,
+                )
+                out.append(g)
+    if "pressure" in ours:
+        equal, total = map(int, ours["pressure"]["replies_equal_full_prefill"].split("/"))
+        out.append(
+            {
+                "goal": "pressure: replies equal to a full prefill's",
+                "value": equal / total,
+                "limit": 1.0,
+                "met": equal == total,
+                "at_least": True,
+            }
+        )
+    return out
+
+
+def restart_figures(results: dict) -> list[dict]:
+    """After a restart, promptstore serve against each peer (reported, no goal after SIGTERM)."""
+    ours = results.get(PROMPTSTORE, {}).get("chat", {})
+    out = []
+    for label, s in ours.items():
+        if "SIGTERM" in label:
+            for peer in PEERS:
+                theirs = results.get(peer, {}).get("chat", {}).get(label, {}).get("ttft_p50_s")
+                out.append({"what": f"chat, {label}: vs {peer}", "value": s["ttft_p50_s"] / theirs if theirs else None})
+    return out
+
+
+# ---- main ------------------------------------------------------------------------
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
-    p.add_argument("--users", type=int)
-    p.add_argument("--rounds", type=int, help="rounds before the restart")
-    p.add_argument("--system-tokens", type=int)
-    p.add_argument("--context-tokens", type=int, help="each user's own context")
-    p.add_argument("--answer-tokens", type=int)
+    p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    p.add_argument("--runs", type=int, default=3, help="runs of each workload; figures are medians over runs")
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated subset of {', '.join(SERVERS)}")
+    p.add_argument(
+        "--vllm-mlx-python",
+        default=".peers/vllm-mlx/bin/python",
+        help="the python that runs vllm-mlx (`make peers` installs it there); on a machine where vllm-mlx "
+        "sits on a path of its own, `python3` with --vllm-mlx-pythonpath",
+    )
+    p.add_argument("--vllm-mlx-pythonpath", default="", help="PYTHONPATH for vllm-mlx alone (empty: none)")
     p.add_argument(
         "--drop-page-cache",
         action="store_true",
-        help="empty the machine's page cache between the stop and the restart (root: /proc/sys/vm/drop_caches)",
+        help="empty the machine's page cache between the stop and each server's restart (root)",
     )
-    p.add_argument("--skip-generated", action="store_true", help="leave out the generated-replies variant")
     p.add_argument(
         "--warm-up-process",
         action=argparse.BooleanOptionalAction,
-        help="first run two rounds of other text through a throwaway server, so MLX's kernels are compiled "
-        "before either contender runs (default: on for --profile cuda)",
+        help="first run rounds of other text through a throwaway promptstore serve, so MLX's kernels are "
+        "compiled before any server is timed (default: on for --profile cuda)",
     )
     p.add_argument("--serve-args", default="", help="extra options for promptstore serve (one string)")
     p.add_argument("--keep-work", action="store_true", help="keep the model, stores and logs (removed by default)")
-    p.add_argument("--out", help="JSON path (default bench-results/serve.json, serve-cuda.json for --profile cuda)")
+    p.add_argument("--out", help="JSON path (default bench-results/serve-<profile>.json)")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="add this call's runs to those already in the result file (same profile): a run split over "
+        "several calls, one workload each, say",
+    )
+    p.add_argument(
+        "--model-dir", help="write the model here, or read it when it is there already (default: the work folder)"
+    )
+    p.add_argument("--skip-generated", action="store_true", help=argparse.SUPPRESS)  # earlier runs' commands
+    p.add_argument("--note", default="", help="a sentence on this run kept in the result (the machine, say)")
+    p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = p.parse_args()
-    profile = PROFILES[args.profile]
-    for key in ("users", "rounds", "system_tokens", "context_tokens", "answer_tokens"):
-        if getattr(args, key) is None:
-            setattr(args, key, profile[key])
     if args.warm_up_process is None:
         args.warm_up_process = args.profile == "cuda"
-    out_path = args.out or (
-        "bench-results/serve.json" if args.profile == "cpu" else f"bench-results/serve-{args.profile}.json"
-    )
-
+    out_path = args.out or f"bench-results/serve-{args.profile}.json"
     blas = blas_info()
     if args.profile == "cpu" and (warning := blas_warning(blas)):
         print(warning, file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     try:
-        code = run_bench(args, profile, work, out_path, blas)
+        code = run_bench(args, work, out_path, blas)
     except BaseException:
         print(f"work folder kept (the servers' logs): {work}", file=sys.stderr)
         raise
     if not args.keep_work:
-        # The model alone is 16 GB in the cuda profile: a few runs left behind
-        # fill a machine's disk, and the next run's store finds its writes refused.
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)  # the cuda profile's model alone is 16 GB
     return code
 
 
-def run_bench(args, profile: dict, work: Path, out_path: str, blas: dict) -> int:
+def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
+    profile = PROFILES[args.profile]
     started = time.perf_counter()
-    model = write_model_dir(
-        work / "model", "llama", vocab_size=VOCAB, dtype=getattr(mx, profile["dtype"]), **profile["model"]
-    )
-    mx.clear_cache()
-    print(f"model written in {time.perf_counter() - started:.1f} s: {profile['note']}", flush=True)
+    model = Path(args.model_dir) if args.model_dir else work / "model"
+    if (model / "config.json").exists():
+        print(f"model read from {model}: {profile['note']}", flush=True)
+    else:
+        dtype = getattr(mx, profile["dtype"])
+        write_model_dir(model, "llama", vocab_size=VOCAB, dtype=dtype, **profile["model"])
+        mx.clear_cache()
+        print(f"model written in {time.perf_counter() - started:.1f} s: {profile['note']}", flush=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if args.profile == "cpu" and Path(OPENBLAS_HINT).exists():
-        env["LD_PRELOAD"] = OPENBLAS_HINT  # both servers: a fair float32 prefill
-    common = ["--model", str(model), "--prompt-cache-size", "100", "--max-tokens", str(args.answer_tokens)]
-    py = sys.executable
-    ps = [py, "-m", "promptstore", "serve", *common, *args.serve_args.split()]
-    servers = {
-        "mlx_lm.server": Server("mlx_lm.server", [py, "-m", "mlx_lm", "server", *common], env, work / "mlx.log"),
-        "promptstore serve": Server("promptstore serve", [*ps, "--store", str(work / "store")], env, work / "ps.log"),
-    }
-    if not args.skip_generated:
-        servers["promptstore serve (generated replies)"] = Server(
-            "promptstore serve (generated replies)",
-            [*ps, "--store", str(work / "store-gen"), "--reply-tokens", "generated"],
-            env,
-            work / "psg.log",
-        )
+        env["LD_PRELOAD"] = OPENBLAS_HINT  # every server: a fair float32 prefill
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    vllm_python = args.vllm_mlx_python  # a path (made absolute: vllm-mlx runs in its own folder) or a command
+    vllm_python = os.path.abspath(vllm_python) if os.sep in vllm_python else vllm_python
+    skipped = {}
+    if VLLM_MLX in names and (why := vllm_missing(vllm_python, args.vllm_mlx_pythonpath)):
+        print(f"vllm-mlx skipped: {why}", flush=True)
+        skipped[VLLM_MLX] = why
+        names.remove(VLLM_MLX)
+    names = [n for n in SERVERS if n in names]
+    base = Setup(
+        python=sys.executable,
+        model=model,
+        budget_bytes=0,
+        answer_tokens=0,
+        env=env,
+        work=work,
+        serve_args=args.serve_args.split(),
+        vllm_python=vllm_python if VLLM_MLX in names else None,
+        vllm_pythonpath=args.vllm_mlx_pythonpath,
+    )
     if args.warm_up_process:
-        known = kernel_cache()
-        warm_up_process(work, ps, env, args)
-        print(f"warm-up process: MLX compiled {len(kernel_cache() - known)} kernel modules", flush=True)
-    system = text_of(args.system_tokens, 0)
-    conversations = [
-        [{"role": "system", "content": system + "\n\n" + text_of(args.context_tokens, 11 * (u + 1))}]
-        for u in range(args.users)
-    ]
-    contenders = {name: Contender(s.start(), conversations) for name, s in servers.items()}
-    walls: dict[str, dict[str, list[float]]] = {name: {} for name in contenders}
-    written: dict[str, dict[str, int]] = {name: {} for name in contenders}
-
-    compiled: dict[str, list[str]] = {}  # kernels MLX compiled (not found in its disk cache), per phase
-    disk_reads: dict[str, dict] = {}  # what each server read from storage during the round after the restart
-
-    def run_round(phase: str, turn: int, names: list[str]) -> None:
-        order = names if turn % 2 == 0 else names[::-1]  # who goes first alternates
-        for name in order:
-            known = kernel_cache()
-            before = servers[name].storage_reads()
-            pages = servers[name].resident() if phase == "resume" else {}
-            health = servers[name].health() if phase == "resume" else None
-            wall = contenders[name].round(phase, turn, args.answer_tokens)
-            new = sorted(kernel_cache() - known)
-            compiled.setdefault(f"{phase} turn {turn}: {name}", new)
-            if phase == "resume":
-                after = servers[name].storage_reads()
-                disk_reads[name] = {k: after[k] - before.get(k, 0) for k in after}
-                grown = {f: n - pages.get(f, 0) for f, n in servers[name].resident().items()}
-                grown = sorted(((n, f) for f, n in grown.items() if n > 0), reverse=True)
-                disk_reads[name]["mapped_files_paged_in"] = {f: n for n, f in grown[:12]}
-                disk_reads[name]["health_when_the_round_began"] = health
-            walls[name].setdefault(phase, []).append(wall)
-            ttfts = [r["ttft_s"] for r in contenders[name].results if r["phase"] == phase and r["turn"] == turn]
-            p50 = statistics.median(ttfts) * 1e3
-            print(f"  {phase} turn {turn}: {name} {wall:.2f} s, TTFT p50 {p50:,.0f} ms", flush=True)
-
-    names = list(contenders)
-    start = {name: servers[name].written() for name in names}
-    for turn in range(args.rounds):
-        run_round("fill", turn, names)
-    time.sleep(2)  # write-through spills land
-    for name in names:
-        written[name]["fill"] = servers[name].written() - start[name]
-
-    # Restart: the generated-replies variant has shown its restored shares; stop it.
-    main_names = names[:2]
-    for name in names[2:]:
-        servers[name].stop()
-    for name in main_names:
-        servers[name].stop()
-    dropped = drop_page_cache() if args.drop_page_cache else None
-    for name in main_names:
-        # Started alone, each after the page cache was emptied: neither finds
-        # what the other just read (the model's weights) in memory.
-        if dropped is not None and name != main_names[0]:
-            drop_page_cache()
-        servers[name].start()
-    run_round("resume", args.rounds, main_names)
-    run_round("after resume", args.rounds + 1, main_names)
-    for name in main_names:
-        written[name]["resume and after"] = servers[name].written()  # a new process: counted from its start
-        servers[name].stop()
-
-    store_bytes = sum(f.stat().st_size for f in (work / "store").rglob("*") if f.is_file())
-    report = {}
-    for name in names:
-        phases = ["fill"] + (["resume", "after resume"] if name in main_names else [])
-        report[name] = {ph: summarize(contenders[name].results, ph, walls[name][ph]) for ph in phases}
-        report[name]["rounds"] = round_table(contenders[name].results)
-        report[name]["bytes_written"] = written[name]
-    base, ours = contenders["mlx_lm.server"].results, contenders["promptstore serve"].results
-    same = sum(a["reply"] == b["reply"] for a, b in zip(base, ours))
+        warm_up_process(base, profile)
+    before = earlier(out_path, args) if args.merge else {}
+    details: dict[str, list] = dict(before.get("details", {}))
+    for workload in list(WORKLOADS) if args.workload == "all" else [args.workload]:
+        done = details.get(workload, [])
+        details[workload] = list(done)
+        for n in range(len(done), len(done) + args.runs):
+            print(f"{workload}, run {n + 1} ({args.runs} in this call):", flush=True)
+            details[workload].append(run_workload(workload, profile[workload], base, names, args, n))
+    results: dict[str, dict] = {}
+    for workload in [w for w in WORKLOADS if w in details]:
+        ran = [n for n in SERVERS if any(r["server"] == n for r in details[workload][0]["rows"])]
+        for name, rounds in summarize(workload, details[workload], ran).items():
+            results.setdefault(name, {})[workload] = rounds
+    kv = kv_bytes_per_token(profile)
     payload = {
+        "benchmark": "serve-peers",
         "profile": args.profile,
         "device": describe_device(),
-        "workload": {**vars(args), "model": {**profile["model"], "vocab_size": VOCAB, "dtype": profile["dtype"]}},
+        "commands": [*before.get("commands", []), command(args)],
         "note": profile["note"],
-        "page_cache_dropped_at_restart": dropped,
-        "kernels_compiled": {k: v for k, v in compiled.items() if v},
-        "storage_reads_in_resume_round": disk_reads,
+        "run_note": "; ".join(n for n in (before.get("run_note"), args.note) if n),
+        "wall_s": before.get("wall_s", 0) + time.perf_counter() - started,
+        "servers": sorted(results, key=SERVERS.index),
+        "skipped": before.get("skipped", {}) | skipped,
+        "versions": versions(names, base),
+        "workloads": {
+            k: dict(profile[k], kv_bytes_per_token=kv, runs=len(v), wall_s=sum(d["wall_s"] for d in v))
+            for k, v in details.items()
+        },
         "server_ld_preload": Path(env.get("LD_PRELOAD", "")).name,
-        "results": report,
-        "replies_equal": f"{same}/{len(base)}",
-        "promptstore_store_bytes": store_bytes,
-        "promptstore_timelines": timelines(work / "ps.log"),
-        "promptstore_inserts": inserts(work / "ps.log"),
-        "promptstore_spills": spills(work / "ps.log"),
-        "promptstore_spills_refused": refused_spills(work / "ps.log"),
-        "promptstore_restart_log": startup_lines(work / "ps.log"),
-        "requests": {name: c.results for name, c in contenders.items()},
-        "goals": goals(report),
+        "results": results,
+        "goals": goals(results),
+        "after_sigterm": restart_figures(results),
+        "details": details,
     }
+    # Log lines name the run's temporary folder: keep the result free of this machine's paths.
+    payload = json.loads(json.dumps(payload).replace(str(work), "<work>"))
     out = write_results(out_path, payload, blas)
-    print_table(report, payload)
-    if payload["promptstore_spills_refused"]:
-        print(
-            f"warning: the disk refused {payload['promptstore_spills_refused']} of promptstore's spills "
-            "(full?): the restart found less stored than was written, and this run does not measure the store"
-        )
+    print_report(json.loads(out.read_text()))
     print(f"wrote {out}")
+    if not args.no_docs and not args.out:
+        write_docs()
     return 0
 
 
-def warm_up_process(work: Path, ps: list[str], env: dict, args) -> None:
-    """Two rounds of unrelated text through a throwaway promptstore serve (its own
-    store), then a restart of it and a round on what it restored: MLX compiles
-    its kernels once per machine (into its on-disk cache), not per contender,
-    and a restarted server's path (warm start, a batch of restored caches) meets
-    kernels the rounds before it do not. On a freshly booted H100 the measured
-    first round after the restart took 1.5 s without this step and 0.44 s on a
-    second run of the bench, once that path had been met."""
+def earlier(out_path: str, args) -> dict:
+    """The result file's runs to add to (--merge): the same benchmark and profile, else none."""
+    path = Path(out_path) if Path(out_path).is_absolute() else Path(__file__).resolve().parents[2] / out_path
+    if not path.exists():
+        return {}
+    doc = json.loads(path.read_text())
+    if doc.get("benchmark") != "serve-peers" or doc.get("profile") != args.profile:
+        print(f"--merge: {path} holds another benchmark or profile; not merged", flush=True)
+        return {}
+    return doc
+
+
+def command(args) -> str:
+    flags = [f"--profile {args.profile}", f"--workload {args.workload}", f"--runs {args.runs}"]
+    flags += ["--drop-page-cache"] if args.drop_page_cache else []
+    flags += [f"--serve-args '{args.serve_args}'"] if args.serve_args else []
+    flags += [f"--servers '{args.servers}'"] if args.servers != ",".join(SERVERS) else []
+    return "python tools/bench/bench_serve.py " + " ".join(flags)
+
+
+def versions(names: list[str], base: Setup) -> dict:
+    import importlib.metadata as md
+
+    out = {"mlx": mx.__version__, "mlx-lm": md.version("mlx-lm")}
+    if VLLM_MLX in names:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env |= {"PYTHONPATH": base.vllm_pythonpath} if base.vllm_pythonpath else {}
+        code = "import importlib.metadata as m; print(m.version('vllm-mlx'), m.version('mlx-lm'), m.version('mlx'))"
+        import subprocess
+
+        got = subprocess.run([base.vllm_python, "-c", code], capture_output=True, text=True, env=env).stdout.split()
+        if len(got) == 3:
+            out["vllm-mlx"] = {"vllm-mlx": got[0], "mlx-lm": got[1], "mlx": got[2]}
+    return out
+
+
+def warm_up_process(base: Setup, profile: dict) -> None:
+    """Two rounds of other text through a throwaway promptstore serve, a restart,
+    one more: MLX compiles its kernels once per machine (into its on-disk
+    cache), not per server, and a restarted server meets kernels the rounds
+    before it do not."""
     started = time.perf_counter()
-    server = Server("warm-up", [*ps, "--store", str(work / "store-warm-up")], env, work / "warm-up.log")
-    other = text_of(args.system_tokens, 5)
-    contender = Contender(
-        server.start(),
-        [
-            [{"role": "system", "content": other + "\n\n" + text_of(args.context_tokens, 7 * (u + 3))}]
-            for u in range(args.users)
-        ],
-    )
-    for turn in range(2):
-        contender.round("warm-up", turn, args.answer_tokens)
-    server.stop()
-    server.start()
-    contender.round("warm-up", 2, args.answer_tokens)
-    server.stop()
-    print(f"warm-up process: {time.perf_counter() - started:.1f} s", flush=True)
-
-
-def mapped_files(pid: int) -> list[str]:
-    """The regular files a process maps (its libraries among them)."""
-    try:
-        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    except OSError:
-        return []
-    paths = {line.split(maxsplit=5)[5] for line in lines if len(line.split(maxsplit=5)) == 6}
-    return sorted(p for p in paths if p.startswith("/") and not p.startswith(("/dev/", "/proc/", "/sys/")))
-
-
-def kernel_cache() -> set[str]:
-    """The kernel modules in MLX's on-disk cache (its CUDA backend compiles a
-    kernel at first use on a machine and keeps it there); empty elsewhere."""
-    folders = [Path(os.environ["MLX_PTX_CACHE_DIR"])] if os.environ.get("MLX_PTX_CACHE_DIR") else []
-    folders += Path(tempfile.gettempdir()).glob("mlx/*/ptx")
-    return {f.name for folder in folders if folder.is_dir() for f in folder.iterdir() if f.suffix == ".ptx"}
-
-
-TIMELINE = re.compile(
-    r"request \((?P<tenant>[^)]*)\): prompt (?P<prompt>\d+) tokens, restored (?P<restored>\d+)"
-    r"(?: \((?P<disk>\d+) from disk, (?P<plan>\w+)\))?.*?; (?P<phases>.*)$"
-)
-
-
-def timelines(log: Path) -> list[dict]:
-    """promptstore serve's per-request phases (milliseconds), from its log."""
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        m = TIMELINE.search(line)
-        if m:
-            phases = dict(kv.split("=") for kv in m["phases"].split() if "=" in kv)
-            row = {"prompt": int(m["prompt"]), "restored": int(m["restored"]), "plan": m["plan"]}
-            row["from_disk"] = int(m["disk"] or 0)
-            out.append({**row, **{k: float(v) for k, v in phases.items()}})
-    return out
-
-
-INSERT = re.compile(r"(?P<at>\d\d:\d\d:\d\d,\d+).*insert: (?P<held>\d+) tokens, (?P<new>\d+) new; (?P<phases>.*)$")
-SPILL = re.compile(
-    r"(?P<at>\d\d:\d\d:\d\d,\d+).*spill of \w+: (?P<mb>[\d.]+) MB written in (?P<write>[\d.]+) ms, "
-    r"published in (?P<publish>[\d.]+) ms(?:, held (?P<held>[\d.]+) ms)?"
-)
-
-
-SPILL_FAILED = re.compile(r"spill of [0-9a-f]+ failed")
-STARTUP = re.compile(r"warm start|GPU runtime libraries|kernel warm-up|model identity|Starting httpd|store closed")
-
-
-def startup_lines(log: Path) -> list[str]:
-    """promptstore serve's log lines about starting and stopping, from its last stop on."""
-    lines = [line for line in log.read_text(errors="replace").splitlines() if STARTUP.search(line)]
-    stops = [i for i, line in enumerate(lines) if "store closed" in line]
-    return lines[stops[-2] if len(stops) > 1 else 0 :]
-
-
-def inserts(log: Path) -> list[dict]:
-    """promptstore serve's inserts on the generation thread: tokens and milliseconds per phase."""
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        m = INSERT.search(line)
-        if m:
-            phases = dict(kv.split("=") for kv in m["phases"].split() if "=" in kv)
-            row = {"at": m["at"], "tokens": int(m["held"]), "new": int(m["new"])}
-            out.append({**row, **{k: float(v) for k, v in phases.items()}})
-    return out
-
-
-def refused_spills(log: Path) -> int:
-    """Spills the store logged as failed (the node stayed in memory: a full disk, say)."""
-    return sum(1 for line in log.read_text(errors="replace").splitlines() if SPILL_FAILED.search(line))
-
-
-def spills(log: Path) -> list[dict]:
-    """promptstore serve's spills, when it logs at debug level: when each ended,
-    its size, and its write and publish milliseconds (beside the inserts' times)."""
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        if m := SPILL.search(line):
-            row = {
-                "at": m["at"],
-                "mb": float(m["mb"]),
-                "write_ms": float(m["write"]),
-                "publish_ms": float(m["publish"]),
-            }
-            out.append(row | ({"held_ms": float(m["held"])} if m["held"] else {}))
-    return out
-
-
-def round_table(results: list[dict]) -> list[dict]:
-    """TTFT p50 per (phase, turn)."""
-    keys = sorted({(r["phase"], r["turn"]) for r in results}, key=lambda k: k[1])
-    return [
-        {
-            "phase": ph,
-            "turn": t,
-            "ttft_p50_s": float(np.median([r["ttft_s"] for r in results if (r["phase"], r["turn"]) == (ph, t)])),
-            "first_user_ttft_s": next(r["ttft_s"] for r in results if (r["phase"], r["turn"], r["user"]) == (ph, t, 0)),
-        }
-        for ph, t in keys
+    w = profile["chat"]
+    work = base.work / "warm-up"
+    work.mkdir()
+    setup = Setup(**{**base.__dict__, "work": work, "budget_bytes": w["budget"], "answer_tokens": w["answer_tokens"]})
+    server = build(PROMPTSTORE, setup).start()
+    other = text_of(w["system_tokens"], 5)
+    convs = [
+        [{"role": "system", "content": other + "\n\n" + text_of(w["context_tokens"], 7 * (u + 3))}]
+        for u in range(w["users"])
     ]
-
-
-def goals(report: dict) -> dict:
-    base, ours = report["mlx_lm.server"], report["promptstore serve"]
-    resume = ours["resume"]["ttft_p50_s"] / base["resume"]["ttft_p50_s"]
-    fill_ttft = ours["fill"]["ttft_p50_s"] / base["fill"]["ttft_p50_s"]
-    fill_rps = ours["fill"]["requests_per_s"] / base["fill"]["requests_per_s"]
-    per_round = {
-        f"{a['phase']} {a['turn']}": b["ttft_p50_s"] / a["ttft_p50_s"] for a, b in zip(base["rounds"], ours["rounds"])
-    }
-    first = ours["rounds"][0]["first_user_ttft_s"] / base["rounds"][0]["first_user_ttft_s"]
-    others = {k: v for k, v in per_round.items() if not k.startswith("resume")}
-    return {
-        "after_restart_ttft_p50_ratio": resume,
-        "after_restart_goal_0.4x_met": resume <= 0.4,
-        "first_request_ttft_ratio": first,
-        "ttft_p50_ratio_per_round": per_round,
-        "other_rounds_no_slower_met": first <= 1.0 and all(v <= 1.0 for v in others.values()),
-        "before_restart_ttft_p50_ratio": fill_ttft,
-        "before_restart_throughput_ratio": fill_rps,
-    }
-
-
-def print_table(report: dict, payload: dict) -> None:
-    print(
-        f"\n{'server':40} {'phase':13} {'TTFT p50':>9} {'p95':>8} {'req/s':>6} {'prefill':>8}  {'restored share per turn':24} previous reply restored"
-    )
-    for name, phases in report.items():
-        for phase, s in phases.items():
-            if phase in ("bytes_written", "rounds"):
-                continue
-            shares = " ".join(f"{v:.2f}" for v in s["restored_share_per_turn"].values())
-            replies = " ".join(f"{v:.2f}" for v in s["previous_reply_restored_per_turn"].values())
-            print(
-                f"{name:40} {phase:13} {s['ttft_p50_s'] * 1e3:7.0f}ms {s['ttft_p95_s'] * 1e3:6.0f}ms "
-                f"{s['requests_per_s']:6.2f} {s['prefill_tokens']:8d}  {shares:24} {replies}"
-            )
-        print(f"{'':40} bytes written: {phases['bytes_written']}")
-    base, ours = report["mlx_lm.server"]["rounds"], report["promptstore serve"]["rounds"]
-    print(f"\n{'round':18} {'mlx_lm.server':>14} {'promptstore':>12} {'ratio':>6}   (TTFT p50)")
-    for a, b in zip(base, ours):
-        ratio = b["ttft_p50_s"] / a["ttft_p50_s"]
-        print(
-            f"{a['phase'] + ' ' + str(a['turn']):18} {a['ttft_p50_s'] * 1e3:12.0f}ms {b['ttft_p50_s'] * 1e3:10.0f}ms {ratio:6.2f}"
-        )
-    rows = payload["promptstore_timelines"]
-    if rows:
-        keys = [k for k in rows[0] if k.endswith("_ms")]
-        print("\npromptstore serve, per-request phases (median ms over " + f"{len(rows)} requests): ", end="")
-        print(" ".join(f"{k[:-3]}={np.median([r.get(k, 0.0) for r in rows]):.1f}" for k in keys))
-    rows = payload["promptstore_inserts"]
-    if rows:
-        keys = sorted({k for r in rows for k in r if k.endswith("_ms")})
-        print(f"promptstore serve, inserts on the generation thread (median ms over {len(rows)}): ", end="")
-        print(" ".join(f"{k[:-3]}={np.median([r[k] for r in rows if k in r]):.1f}" for k in keys))
-    print(f"replies equal (mlx_lm.server vs promptstore serve): {payload['replies_equal']}")
-    g = payload["goals"]
-    others = [v for k, v in g["ttft_p50_ratio_per_round"].items() if not k.startswith("resume")]
-    print("\nTTFT p50, promptstore serve over mlx_lm.server:")
-    print_goals(
-        [
-            ("first round after the restart", g["after_restart_ttft_p50_ratio"], "<= 0.4"),
-            ("slowest other round, or the first request", max([g["first_request_ttft_ratio"], *others]), "<= 1.0"),
-            ("before the restart", g["before_restart_ttft_p50_ratio"], "none"),
-            ("before the restart, requests/s over theirs", g["before_restart_throughput_ratio"], "none"),
-        ]
-    )
+    for turn in range(3):
+        if turn == 2:
+            server.stop()
+            server.start()
+        q = {"role": "user", "content": QUESTIONS[turn]}
+        answers = fire(server, [(u, c + [q]) for u, c in enumerate(convs)], w["answer_tokens"])
+        convs = [c + [q, {"role": "assistant", "content": answers[u]["reply"]}] for u, c in enumerate(convs)]
+    server.stop()
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"warm-up process: {time.perf_counter() - started:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,10 @@ COLD_RUNS = (
 )
 OLD_PLANS = {"split": "overlap"}  # plan names in result files, as they are called now
 SERVE_RUNS = (
-    ("serve-cuda.json", "an H100; the code at 5078ef6, the first of three runs in a row in one machine session"),
+    (
+        "archive/2026-11/serve-cuda-1.json",
+        "an H100; the code at 5078ef6, the first of three runs in a row in one machine session",
+    ),
     ("archive/2026-11/serve-cuda-2.json", "the same code, the second run of that machine session"),
     ("archive/2026-11/serve-cuda-3.json", "the same code, the third run of that machine session"),
     (
@@ -318,8 +321,9 @@ def sections(results: Path) -> str:
         if (results / name).exists():
             parts.append(cold_section(name, what, json.loads((results / name).read_text())))
     for name, what in SERVE_RUNS:
-        if (results / name).exists():
-            parts.append(serve_section(name, what, json.loads((results / name).read_text())))
+        # serve-cuda.json holds the servers side by side now (serve_docs.py renders it).
+        if (results / name).exists() and "benchmark" not in (doc := json.loads((results / name).read_text())):
+            parts.append(serve_section(name, what, doc))
     if not parts:
         return ""
     head = (

@@ -7,6 +7,7 @@ import sys
 
 from common import REPO_ROOT
 from gpu_docs import sections as gpu_sections
+from serve_docs import sections as serve_sections
 
 from .goals import goals_table
 from .summary import fmt_bytes, fmt_ms, fmt_sci
@@ -164,6 +165,8 @@ def write_docs() -> int:
         return 1
     target = REPO_ROOT / "docs" / "benchmarks.md"
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(markdown_doc(docs, gpu_sections(REPO_ROOT / "bench-results")))
+    results = REPO_ROOT / "bench-results"
+    later = "\n\n".join(part for part in (serve_sections(results), gpu_sections(results)) if part)
+    target.write_text(markdown_doc(docs, later))
     print(f"wrote {target.relative_to(REPO_ROOT)}")
     return 0
