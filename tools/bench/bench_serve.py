@@ -8,9 +8,9 @@ promptstore serve: its store). The servers answer the same requests in turn,
 the one that goes first rotating, so each sees the same machine load.
 
 - chat: LMCache's multi-round QA: users with a shared system prompt and a
-  context of their own over several rounds; then every server stopped by
-  SIGTERM and started again on its same folders, the next round timed, one
-  more round; then the same after a SIGKILL.
+  context of their own over several rounds; then every server killed by
+  SIGKILL and started again on its same folders, the next round timed, one
+  more round; then the same after a SIGTERM.
 - pressure: conversations whose state is several times the memory budget,
   visited round-robin (one request at a time), so a returning conversation
   finds its state evicted from memory; every reply compared with a full
@@ -233,17 +233,19 @@ def log_window(server: Server, offset: int) -> dict:
 
 
 def chat(run: Run, w: dict, restart) -> None:
-    """Rounds of every user at once, then a SIGTERM restart and a SIGKILL restart."""
+    """Rounds of every user at once, then a SIGKILL restart and a SIGTERM restart."""
     system = text_of(w["system_tokens"], 0)
     own = [text_of(w["context_tokens"], 11 * (u + 1)) for u in range(w["users"])]
     first = [[{"role": "system", "content": system + "\n\n" + text}] for text in own]
     convs = {name: [list(f) for f in first] for name in run.servers}
     for n in range(1, w["rounds"] + 5):
+        # The SIGKILL first: no server has saved anything at a stop before it (a
+        # server that saves only at SIGTERM would otherwise restore that save).
         if n == w["rounds"] + 1:
-            restart("SIGTERM")
-        if n == w["rounds"] + 3:
             restart("SIGKILL")
-        label = f"round {n}" + {w["rounds"] + 1: ", after SIGTERM", w["rounds"] + 3: ", after SIGKILL"}.get(n, "")
+        if n == w["rounds"] + 3:
+            restart("SIGTERM")
+        label = f"round {n}" + {w["rounds"] + 1: ", after SIGKILL", w["rounds"] + 3: ", after SIGTERM"}.get(n, "")
         question = {"role": "user", "content": QUESTIONS[(n - 1) % len(QUESTIONS)]}
         asks = {name: [(u, c + [question]) for u, c in enumerate(cs)] for name, cs in convs.items()}
         # The first round opens with one user alone, so every server holds the

@@ -17,7 +17,7 @@ RESULTS = (("serve-cpu.json", "CPU"), ("serve-cuda.json", "NVIDIA GPU"))
 MLX_LM, VLLM_MLX, PROMPTSTORE = "mlx_lm.server", "vllm-mlx", "promptstore serve"
 STATUS = {True: "met", False: "MISSED", None: "not measured (a server not run)"}
 WHAT = {
-    "chat": "multi-round chat, a SIGTERM restart and a SIGKILL restart",
+    "chat": "multi-round chat, a SIGKILL restart and a SIGTERM restart",
     "pressure": "memory pressure: conversations visited round-robin, their state several times the budget",
     "single": "one conversation alone, hot",
 }
@@ -37,8 +37,8 @@ def describe(workload: str, w: dict) -> str:
         return (
             f"{w['users']} users at once, a {w['system_tokens']:,}-token system prompt they share and "
             f"{w['context_tokens']:,} tokens of each user's own, {w['answer_tokens']}-token answers; {w['rounds']} "
-            f"rounds, then every server stopped by SIGTERM and started again on its folders, two rounds, then "
-            f"SIGKILL and the same; {budget}"
+            f"rounds, then every server killed by SIGKILL and started again on its folders, two rounds, then "
+            f"stopped by SIGTERM and the same; {budget}"
         )
     if workload == "pressure":
         state = w["conversations"] * w["context_tokens"] * w["kv_bytes_per_token"]
