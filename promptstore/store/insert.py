@@ -325,6 +325,7 @@ class Inserter:
         split, ns = planned.split, self.namespace.key
         with self.tiers.local():  # new spans: published from here, even when a remote hit's insert split them
             self._put(NodeId(split.upper_key, ns, split.start, split.at), uppers, None)
+            self.tiers.shared(split.upper_key)  # the prefix two prompts share
             if any(s is not None for s in lowers):
                 self._put(NodeId(split.key, ns, split.at, split.end), lowers, None)
 
@@ -335,7 +336,8 @@ class Inserter:
         if node is None or node.id != node_id:
             return
         with self._phase("hold"):
-            self.tiers.put(node_id, snaps, node.record.prefill_seconds if seconds is None else seconds)
+            seconds = node.record.prefill_seconds if seconds is None else seconds
+            self.tiers.put(node_id, snaps, seconds, parent=node.parent if node.parent != node.namespace else None)
 
     def _fill_checkpoint(self, planned, cache):
         """All tokens are stored and end at a node: fill its missing whole-state layers."""
