@@ -180,6 +180,11 @@ class Meter:
         with self._lock:
             self._store.update(counts)
 
+    def counts(self, *names: str) -> dict[str, int]:
+        """Some of the store's counters by name (readable after the store closed)."""
+        with self._lock:
+            return {name: self._store[name] for name in names}
+
     def snapshot(self, **now) -> StoreMetrics:
         """The counters as a StoreMetrics; `now`: its remaining fields (sizes,
         budgets, remote counts, the warm start), which the store reads itself."""

@@ -77,7 +77,9 @@ def written(server: Server, seconds: float = 30) -> dict:
 
 def test_counters_equal_what_the_responses_reported_across_a_restart(serve, model_dir):
     model = model_dir("llama")
-    options = ("--warm-start", "false", "--cold-plan", "load")  # after the restart, the hit is read from disk
+    # After the restart, the hit is read from disk; write_through: every node goes to disk
+    # (the default, admit, would keep the one-off's nodes in memory only).
+    options = ("--warm-start", "false", "--cold-plan", "load", "--durability", "write_through")
     server = serve(model, *options)
     label = {"model": str(model.resolve())}
     miss, hot = complete(server.client()), complete(server.client())
