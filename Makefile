@@ -85,6 +85,7 @@ bench: setup
 	$(BLAS_ENV) $(BIN)/python tools/bench/bench_index.py
 	$(BLAS_ENV) $(BIN)/python tools/bench/bench_store.py
 	$(BLAS_ENV) $(BIN)/python tools/bench/bench_compact.py
+	$(BLAS_ENV) $(BIN)/python tools/bench/bench_wear.py
 	$(BLAS_ENV) $(BIN)/python tools/bench/bench_anchors.py
 
 # Side by side with mlx-lm (LRU, files) on one machine, about 10 min on 2 cores;

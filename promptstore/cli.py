@@ -257,6 +257,7 @@ def _store_totals(root: Path) -> dict:
         "store": str(root),
         "view": "totals over every namespace",
         **{k: stats[k] for k in ("nodes", "tokens_stored", "nbytes", "hits", "misses", "tokens_served")},
+        **_wear(stats),
         "index_bytes": stats["used_bytes"],
         **({"remote": remote} if remote is not None else {}),
     }
@@ -279,10 +280,31 @@ def _namespace_figures(root: Path, args) -> dict:
         "namespace": ns.hex,
         "model_id": ns.spec.model_id,
         **{k: counters.get(k, 0) for k in ("nodes", "tokens_stored", "nbytes", "hits", "misses", "tokens_served")},
+        **_wear(counters),
     }
 
 
-LABELS = {"nbytes": "snapshot bytes", "index_bytes": "index bytes", "model_id": "model id"}
+def _wear(counters: dict) -> dict:
+    """What the store wrote to disk against what it read back, since it was made."""
+    written = counters.get("disk_written_bytes", 0) + counters.get("compact_written_bytes", 0)
+    read = counters.get("disk_read_bytes", 0)
+    return {
+        "disk_written_bytes": counters.get("disk_written_bytes", 0),
+        "compact_written_bytes": counters.get("compact_written_bytes", 0),
+        "disk_read_bytes": read,
+        "write_amplification": round(written / read, 3) if read else None,
+    }
+
+
+LABELS = {
+    "nbytes": "snapshot bytes",
+    "index_bytes": "index bytes",
+    "model_id": "model id",
+    "disk_written_bytes": "bytes written (spills)",
+    "compact_written_bytes": "bytes rewritten (compact)",
+    "disk_read_bytes": "bytes read back",
+    "write_amplification": "write amplification (written / read back)",
+}
 
 
 def _print_figures(figures: dict) -> None:
@@ -303,6 +325,8 @@ def _print_figures(figures: dict) -> None:
             continue
         if isinstance(value, int):
             value = f"{value / 2**20:.1f} MiB" if key.endswith("bytes") else f"{value:,}"
+        elif value is None:
+            value = "-"
         table.add_row(LABELS.get(key, key.replace("_", " ")), str(value))
     lookups = figures["hits"] + figures["misses"]
     table.add_row("hit rate", f"{100 * figures['hits'] / lookups:.0f}%" if lookups else "-")

@@ -11,7 +11,7 @@ import re
 from typing import Any, Literal
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .errors import SettingsError
 
@@ -38,10 +38,28 @@ class Settings(BaseModel):
     disk_bytes: int = Field(
         32 * GiB, ge=0, description="disk budget of the cold tier per tenant, brought back by evicting leaves"
     )
-    durability: Literal["write_back", "write_through", "sync"] = Field(
+    durability: Literal["write_back", "write_through", "sync", "admit"] = Field(
         "write_back",
         description="write_back: spill on eviction and close; write_through: queue every insert for disk; "
-        "sync: insert returns once the node is on disk",
+        "sync: insert returns once the node is on disk; admit: write a node once it is reused, once its "
+        "conversation is idle (admit_idle_seconds), when memory evicts it and it is worth keeping, and at "
+        "close, never a one-off prompt nobody came back to (store/admission.py)",
+    )
+    admit_idle_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="admit: a conversation (a prompt that went on from an earlier one) idle this long is written",
+    )
+    admit_prefill_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="admit: a node memory evicts that nobody reused is still written if recomputing it costs "
+        "at least this many prefill seconds",
+    )
+    disk_write_budget: ByteSize | None = Field(
+        None,
+        description="admit: bytes the store may write to disk per hour (e.g. 20GiB or 21474836480); over it, "
+        "the least valuable writes are skipped, never a request delayed; None: no budget",
     )
     checkpoint_interval: int | None = Field(
         None,
@@ -98,6 +116,14 @@ class Settings(BaseModel):
         if not 0 <= mode <= 0o777 or mode & need != need:
             raise ValueError(f"{oct(mode)}: a permission mode (at most 0o777) that includes {oct(need)}")
         return mode
+
+    @field_validator("disk_write_budget", mode="before")
+    @classmethod
+    def _size(cls, size: Any) -> Any:
+        # ByteSize alone says "could not parse value and unit" of -1: name the rule instead.
+        if isinstance(size, (int, float)) and size < 0 or isinstance(size, str) and size.strip().startswith("-"):
+            raise ValueError(f"{size!r}: a size of at least 0 bytes (e.g. 20GiB or 21474836480)")
+        return None if size in ("", "none", "None") else size
 
     @field_validator("cold_plan", mode="before")
     @classmethod

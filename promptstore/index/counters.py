@@ -1,7 +1,8 @@
 """Per-namespace counters that persist: hits, misses, tokens served and stored, totals.
 
 Insert, remove and update_record keep nodes, nbytes and tokens_stored; callers
-bump hits, misses, tokens_served and the checkpoint counters.
+bump hits, misses, tokens_served, the checkpoint counters and the disk bytes
+written and read.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ NAMES = (
     "checkpoint_bytes_dropped",
     "checkpoint_hits",
     "checkpoint_tokens",
+    # What wears a disk, against what it saved: bytes of node files written (spills),
+    # rewritten by compact's joins, and read back (cold hits, warm starts).
+    "disk_written_bytes",
+    "compact_written_bytes",
+    "disk_read_bytes",
 )
 _VALUE = struct.Struct("<q")
 

@@ -279,12 +279,15 @@ class Index:
 
     # --- changing nodes ---------------------------------------------------
 
-    def update_record(self, key: bytes, record: NodeRecord, expect=None) -> Node:
+    def update_record(self, key: bytes, record: NodeRecord, expect=None, bump: dict[str, int] | None = None) -> Node:
         """Replace a node's record (tier moves, a checkpoint filling a whole-state layer).
 
         expect: a test of the node as stored now; when it fails, StaleInsertError
         and nothing changes (a record read earlier may be out of date).
+        bump: counters of its namespace to add to in the same transaction.
         """
+        if bump:
+            counters.check_names(bump)
 
         def fits(txn) -> Node:
             node = trie.read_node(txn, self._dbs, key)
@@ -295,7 +298,7 @@ class Index:
             check_record_layout(self._namespace_in(txn, node.namespace), record)
             return node
 
-        return self._write(lambda txn, node: trie.replace_record(txn, self._dbs, node, record), fits)
+        return self._write(lambda txn, node: trie.replace_record(txn, self._dbs, node, record, bump), fits)
 
     def remove(self, ns: Namespace, key: bytes) -> Node:
         """Remove a leaf of `ns`; NodeHasChildrenError if it is not one."""

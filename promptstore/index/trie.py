@@ -461,12 +461,12 @@ def remove_leaf(txn: lmdb.Transaction, dbs: Dbs, node: Node) -> Node:
     return node
 
 
-def replace_record(txn, dbs: Dbs, node: Node, record: NodeRecord) -> Node:
-    """Rewrite a node with a new record (its layout already checked)."""
+def replace_record(txn, dbs: Dbs, node: Node, record: NodeRecord, bump: dict[str, int] | None = None) -> Node:
+    """Rewrite a node with a new record (its layout already checked); `bump`: counters to add to."""
     span = (node.start, node.end)
     value = encode_node(node.namespace, node.parent, *span, record, node.edge)
     txn.put(node.key, value, db=dbs.nodes)
-    counters.add(txn, dbs, node.namespace, {"nbytes": record.nbytes - node.nbytes})
+    counters.add(txn, dbs, node.namespace, {"nbytes": record.nbytes - node.nbytes, **(bump or {})})
     return read_node(txn, dbs, node.key)
 
 

@@ -221,11 +221,44 @@ def _store_counters(m: StoreMetrics):
     yield _by_tier("promptstore_evicted_bytes", "Bytes of the nodes evicted, by tier", m.evicted_bytes)
     yield _counter("promptstore_disk_files_written", "Node files written to disk (spills)", m.files_written)
     yield _counter("promptstore_disk_written_bytes", "Bytes written to disk (what wears an SSD)", m.disk_written_bytes)
+    yield _counter(
+        "promptstore_compact_written_bytes", "Bytes compact's joins rewrote in this process", m.compact_written_bytes
+    )
+    yield _counter(
+        "promptstore_disk_read_back_bytes",
+        "Bytes of node files read back (cold hits, warm starts): what the bytes written saved",
+        m.read_back_bytes,
+    )
+    yield from _admission(m)
     yield _counter("promptstore_remote_written", "Values published to the remote tier", m.remote_written)
     yield _counter("promptstore_remote_written_bytes", "Bytes published to the remote tier", m.remote_written_bytes)
     yield _counter(
         "promptstore_quarantined_files", "Files that failed their checks, moved aside unserved", m.quarantined_files
     )
+
+
+def _admission(m: StoreMetrics):
+    """The admit durability's decisions (all 0 under the others)."""
+    family = CounterMetricFamily(
+        "promptstore_admitted", "Nodes admission queued for disk, by what admitted them", labels=["reason"]
+    )
+    for reason, n in m.admitted.items():
+        family.add_metric([reason], n)
+    yield family
+    family = CounterMetricFamily("promptstore_admitted_bytes", "Bytes admission queued for disk", labels=["reason"])
+    for reason, n in m.admitted_bytes.items():
+        family.add_metric([reason], n)
+    yield family
+    yield _counter("promptstore_declined", "Nodes admission never wrote (one-offs), gone from memory", m.declined_nodes)
+    yield _counter("promptstore_declined_bytes", "Bytes of the nodes admission never wrote", m.declined_bytes)
+    yield _counter("promptstore_over_budget", "Nodes the disk write budget skipped", m.over_budget_nodes)
+    yield _counter("promptstore_over_budget_bytes", "Bytes the disk write budget skipped", m.over_budget_bytes)
+    if m.write_amplification is not None:
+        yield GaugeMetricFamily(
+            "promptstore_write_amplification",
+            "Bytes written to disk (spills and joins) per byte of state read back",
+            value=m.write_amplification,
+        )
 
 
 def _store_sizes(m: StoreMetrics):

@@ -19,9 +19,12 @@ from .door import DEFAULT_MAX_BODY_BYTES
 
 # Settings the server does not use (mlx-lm's --prefill-step-size drives prefill).
 UNUSED_SETTINGS = ("prefill_step",)
-# A server is stopped and killed by deployments: unless told otherwise, queue
-# every insert for disk (the store's own default keeps inserts in memory).
-SERVE_DURABILITY = "write_through"
+# A server is stopped and killed by deployments, and runs on laptops whose SSDs
+# are soldered in: unless told otherwise, write what is reused, a conversation
+# gone idle and, at a stop, every conversation; never a one-off prompt (the
+# store's own default keeps inserts in memory until eviction or close).
+# README's "What the store writes" has the measurements (tools/bench/bench_wear.py).
+SERVE_DURABILITY = "admit"
 SERVE_DEFAULTS = {
     "durability": f" (default: {SERVE_DURABILITY} here)",
     "warm_start": " (default: true here)",

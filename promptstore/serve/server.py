@@ -1137,8 +1137,11 @@ def closing_line(generator: StoreResponseGenerator | None, store: PromptStore) -
     nodes, nbytes = store.unwritten
     if nodes:
         said.append(f"{nodes} nodes ({nbytes / 1e6:.1f} MB) not written: the disk refused them")
+    declined, declined_bytes = store.declined
     if not lost and not nodes:
-        said.append("everything is on disk")
+        said.append("everything is on disk" if not declined else "everything admitted is on disk")
+    if declined:
+        said.append(f"{declined} nodes ({declined_bytes / 1e6:.1f} MB) of one-off prompts not written (admit)")
     return "store closed: " + "; ".join(said)
 
 

@@ -168,6 +168,10 @@ class HotTier:
     def candidates(self, group: Hashable = None) -> list[HotEntry]:
         return [e for e in self.entries.values() if e.pins == 0 and e.group == group]
 
+    def value_of(self, entry: HotEntry) -> float:
+        """What the entry is worth keeping (snapshots/value.py): the order of eviction."""
+        return self._value(entry)
+
     def _value(self, entry: HotEntry) -> float:
         return value(entry.prefill_seconds, entry.hits, entry.nbytes, self.clocks[entry.group] - entry.used_at)
 

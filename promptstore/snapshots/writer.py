@@ -59,6 +59,14 @@ class Writer:
         self.queue.put(job)
         return job
 
+    def offer(self, job: SpillJob) -> bool:
+        """Queue a job unless the queue is full (then False, and nothing queued): never waits."""
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            return False
+        return True
+
     def write_now(self, job: SpillJob) -> SpillJob:
         """Write in the caller's thread (the `sync` durability)."""
         self._do(job)

@@ -21,7 +21,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..caches import Snapshot
-from ..errors import ColdFileError, CorruptRecordError, NodeHasChildrenError, NodeNotFoundError, StaleInsertError
+from ..errors import (
+    ColdFileError,
+    CorruptRecordError,
+    NodeHasChildrenError,
+    NodeNotFoundError,
+    PromptStoreError,
+    StaleInsertError,
+)
 from ..identity import NodeId
 from ..index import Index, InsertPlan, InsertResult, Namespace, Node, NodeRecord
 from ..snapshots import ColdTier, SpillJob
@@ -99,7 +106,8 @@ class Filing:
                 layers = [r.model_copy(update={"present": p}) for r, p in zip(record.layers, job.present)]
                 record = record.model_copy(update={"layers": layers})
             with self.after_commit() as doomed:
-                self.index.update_record(job.node.key, record, expect=unchanged(job.node, old))
+                written = {"disk_written_bytes": ref.nbytes}  # counted with the record that names the file
+                self.index.update_record(job.node.key, record, expect=unchanged(job.node, old), bump=written)
                 doomed.append(old if old != ref.path else None)
         except STALE:
             self.cold.delete(ref.path)  # never named: it is not the node's file
@@ -150,6 +158,11 @@ class Filing:
         except (NodeHasChildrenError, *STALE):
             self.cold.delete(ref.path)  # the trie changed under us: keep it as it is
             return False
+        self.counts["compact_written_bytes"] += ref.nbytes
+        try:
+            self.index.bump(ns, compact_written_bytes=ref.nbytes)
+        except PromptStoreError:
+            pass  # counters are advisory
         return True
 
     # --- retiring files -------------------------------------------------------------

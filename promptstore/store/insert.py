@@ -353,6 +353,7 @@ class Inserter:
         self.tiers.split_retention(split.key, split.upper_key)
         with self.tiers.local():  # new spans: published from here, even when a remote hit's insert split them
             self._put(NodeId(split.upper_key, ns, split.start, split.at), uppers, None)
+            self.tiers.shared(split.upper_key)  # the prefix two prompts share
             if any(s is not None for s in lowers):
                 self._put(NodeId(split.key, ns, split.at, split.end), lowers, None)
 
@@ -364,7 +365,9 @@ class Inserter:
             return
         retention = covering(getattr(self._phases, "marks", ()), node_id.start)
         with self._phase("hold"):
-            self.tiers.put(node_id, snaps, node.record.prefill_seconds if seconds is None else seconds, retention)
+            seconds = node.record.prefill_seconds if seconds is None else seconds
+            parent = node.parent if node.parent != node.namespace else None
+            self.tiers.put(node_id, snaps, seconds, retention, parent=parent)
 
     def _fill_checkpoint(self, planned, cache):
         """All tokens are stored and end at a node: fill its missing whole-state layers."""

@@ -21,6 +21,7 @@ TIERS = ("hot", "cold", "remote")
 # Where a hit's tokens came from: a tier, or computed by the fetch itself (a cold
 # hit whose plan prefilled its head while the rest was read: cold_plan overlap).
 SOURCES = (*TIERS, "computed")
+ADMISSIONS = ("tick", "evicted", "shutdown")  # what made admission write a node (store/admission.py)
 
 
 def model_label(spec: NamespaceSpec) -> str:
@@ -106,8 +107,16 @@ class StoreMetrics:
         budget: hot (left memory; spilled to disk if not there yet), cold (files
         removed over disk_bytes, which compact does).
     files_written, disk_written_bytes: node files this process wrote (what wears
-        an SSD). remote_written, remote_written_bytes: values published to the
+        an SSD); compact_written_bytes: files compact's joins wrote in this process.
+        read_back_bytes: bytes of node files read back (cold hits, warm starts);
+        write_amplification: bytes written over bytes read back (None before any
+        read). remote_written, remote_written_bytes: values published to the
         remote tier (0 without one).
+    admitted, admitted_bytes: under the admit durability, nodes (and bytes) queued
+        for disk, by what admitted them (tick: reused, idle or a retention class;
+        evicted; shutdown). declined_nodes, declined_bytes: nodes admission did
+        not write (one-offs), gone from memory. over_budget_nodes, over_budget_bytes:
+        nodes the write budget skipped (each counted once).
     quarantined_files: files that failed their checks, moved aside, never served.
     hot_nodes, hot_bytes: held in memory; hot_budget_bytes and disk_budget_bytes
         are budgets per tenant. stored_nodes, stored_bytes: the whole store, every
@@ -131,6 +140,20 @@ class StoreMetrics:
     disk_budget_bytes: int
     warm_start: WarmStart | None = None
     retention: RetentionFigures | None = None
+    compact_written_bytes: int = 0
+    read_back_bytes: int = 0
+    admitted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ADMISSIONS, 0))
+    admitted_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ADMISSIONS, 0))
+    declined_nodes: int = 0
+    declined_bytes: int = 0
+    over_budget_nodes: int = 0
+    over_budget_bytes: int = 0
+
+    @property
+    def write_amplification(self) -> float | None:
+        """Bytes written to disk (spills and compact's joins) per byte of state read back."""
+        written = self.disk_written_bytes + self.compact_written_bytes
+        return written / self.read_back_bytes if self.read_back_bytes else None
 
 
 class Meter:
@@ -160,6 +183,11 @@ class Meter:
         with self._lock:
             self._store.update(counts)
 
+    def counts(self, *names: str) -> dict[str, int]:
+        """Some of the store's counters by name (readable after the store closed)."""
+        with self._lock:
+            return {name: self._store[name] for name in names}
+
     def snapshot(self, **now) -> StoreMetrics:
         """The counters as a StoreMetrics; `now`: its remaining fields (sizes,
         budgets, remote counts, the warm start), which the store reads itself."""
@@ -173,6 +201,10 @@ class Meter:
             files_written=store["files_written"],
             disk_written_bytes=store["disk_written_bytes"],
             quarantined_files=store["quarantined_files"],
+            read_back_bytes=store["read_back_bytes"],
+            admitted={e: store[f"admitted.{e}"] for e in ADMISSIONS},
+            admitted_bytes={e: store[f"admitted_bytes.{e}"] for e in ADMISSIONS},
+            **{k: store[k] for k in ("declined_nodes", "declined_bytes", "over_budget_nodes", "over_budget_bytes")},
             **now,
         )
 

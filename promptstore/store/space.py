@@ -165,6 +165,7 @@ class Space:
             plan=restored.choice if restored and remote is None else None,
             nbytes=nbytes if length else 0,
         )
+        self.tiers.served(path[:used] if length else ())
         if not count:
             self._account(path[:used])
             return hit
@@ -219,7 +220,8 @@ class Space:
 
     def _write_stats(self, touched: list[bytes], counts: Counter, background: bool = False) -> None:
         try:
-            if touched or counts:
+            counts["disk_read_bytes"] += self.tiers.take_read_back(self.namespace.key)
+            if touched or +counts:
                 self.index.touch(touched)
                 self.index.bump(self.namespace, **counts)
             save_rates(self.index, self.namespace)

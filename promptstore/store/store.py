@@ -51,6 +51,7 @@ class PromptStore:
         self.spaces: list[Space] = []
         self._closed = False
         self.unwritten = (0, 0)  # nodes and bytes the disk refused, as close() left them
+        self.declined = (0, 0)  # nodes and bytes the admit durability never wrote (one-offs), as close() left them
         self.warming: Warmer | None = None
         if settings.warm_start:
             self.warm()
@@ -148,6 +149,8 @@ class PromptStore:
                     space.flush_stats()
                 self.tiers.close()
                 self.unwritten = self.tiers.unwritten()
+                counted = self.tiers.meter.counts("declined_nodes", "declined_bytes")
+                self.declined = (counted["declined_nodes"], counted["declined_bytes"])
                 if self.unwritten[0]:
                     log.warning(
                         "closed with %d nodes (%.1f MB) not on disk: the disk refused their spills, "

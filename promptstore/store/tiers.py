@@ -30,6 +30,7 @@ from ..index import Index, InsertPlan, InsertResult, Node, NodeRecord
 from ..snapshots import ColdTier, HotTier, SpillJob, Writer
 from ..snapshots.cold import PendingLoad
 from ..snapshots.remote import LocalLink, PublishItem, RemoteHit, RemoteTier, prune_ledger
+from .admission import Admission, Event, Ticker, admit
 from .eviction import evict_tenant
 from .filing import Filing, filed
 from .metrics import Meter, Report, StoreMetrics
@@ -63,6 +64,18 @@ class Tiers:
         self.quiet: set[bytes] = set()  # nodes made from remote hits: the server has their data
         self._origin = threading.local()
         self.loading: dict[bytes, tuple[NodeId, str, PendingLoad]] = {}  # files being read, by node
+        # The `admit` durability (store/admission.py): idle times and the write budget
+        # read `clock` too; the ticker writes what is due, off the generation thread.
+        self.admission = Admission(settings)
+        self.dropped: list[NodeId] = []  # nodes admission declined: their index entries go (retire_dropped)
+        self.read_back: defaultdict[bytes, int] = defaultdict(int)  # file bytes read, by namespace, not yet counted
+        self._over_budget: set[bytes] = set()  # counted once each
+        self._tick_lock = threading.Lock()
+        self._ticker = (
+            Ticker(self.write_due, min(1.0, settings.admit_idle_seconds / 4))
+            if settings.durability == "admit"
+            else None
+        )
 
     # --- the remote tier (docs/remote.md) -----------------------------------------
 
@@ -135,14 +148,23 @@ class Tiers:
     # --- placing ------------------------------------------------------------------
 
     def put(
-        self, node: NodeId, snapshots: list[Snapshot], prefill_seconds: float = 0.0, retention: Retention | None = None
+        self,
+        node: NodeId,
+        snapshots: list[Snapshot],
+        prefill_seconds: float = 0.0,
+        retention: Retention | None = None,
+        parent: bytes | None = None,
     ) -> None:
         """Hold a node's snapshots and spill per the durability setting (never a
-        node retained in_memory); `retention`: the class the node gets (retain)."""
+        node retained in_memory); `retention`: the class the node gets (retain);
+        `parent`: the key of the node it goes on from (admit tells conversations by it)."""
         mx.eval([a for s in snapshots if s is not None for a in s.all_arrays()])
         if retention is not None:
             self.retain(node.key, retention)
         group = self.tenant(node.namespace)
+        if self.settings.durability == "admit":
+            only_child = lambda: len(self.index.children(parent)) == 1  # noqa: E731
+            self.admission.placed(node.key, parent, only_child, self.clock())
         evicted = self.hot.put(node.key, snapshots, prefill_seconds=prefill_seconds, node=node, group=group)
         quiet = getattr(self._origin, "remote", False)
         if quiet:
@@ -172,7 +194,7 @@ class Tiers:
                 if entry.dirty:
                     self.retained.count("never_written")
             elif entry.dirty and entry.key != written:
-                self._submit(self._spill_job(entry))
+                self._spill_one(entry)
 
     def _count_evicted(self, entries) -> None:
         if entries:
@@ -306,6 +328,146 @@ class Tiers:
         figures = self.retained.figures()
         return replace(figures, kept=figures.kept + self.hot.spared)
 
+    # --- admission (the admit durability, store/admission.py) ----------------------
+
+    def served(self, nodes: Sequence[Node]) -> None:
+        """A prompt's hit went through `nodes`: they are reused (admit writes them at its next tick)."""
+        if self._ticker is not None and nodes:
+            self.admission.used([n.key for n in nodes], self.clock())
+            self._ticker.wake()
+
+    def shared(self, key: bytes) -> None:
+        """Two prompts share the node (a split made it their common prefix): it is reused."""
+        if self._ticker is not None:
+            self.admission.used([key], self.clock())
+
+    def write_due(self) -> int:
+        """Queue for disk the nodes held only in memory that admission writes now,
+        most valuable first, as far as the budget goes; retire the nodes it dropped.
+        Never waits for the writer's queue (what does not fit waits for the next
+        tick). Runs on the admission thread every second; a test may call it.
+        Returns the nodes queued."""
+        if self.settings.durability != "admit":
+            return 0
+        with self._tick_lock:
+            now, queued = self.clock(), 0
+            due = [e for e in self.hot.dirty_entries() if not self._queued(e) and self._admits("tick", e, now)]
+            for entry in sorted(due, key=self.hot.value_of, reverse=True):
+                if self.writer.queue.full():
+                    break
+                if not self._within_budget(entry, now):
+                    continue
+                self._admitted("tick", entry)
+                queued += self._offer(SpillJob(entry.node, entry.snapshots))  # it stays in memory
+            self.retire_dropped()
+            self.admission.forget(lambda key: key in self.hot or key in self.pending)
+            return queued
+
+    def _admits(self, event: Event, entry, now: float) -> bool:
+        retention_of = getattr(self, "retention_of", None)  # a client's retention class, where the tiers know one
+        retention = retention_of(entry.key) if retention_of is not None else None
+        facts = self.admission.facts(entry.key, entry.nbytes, entry.prefill_seconds, now, retention)
+        return admit(event, facts, now, self.settings)
+
+    def _within_budget(self, entry, now: float) -> bool:
+        if self.admission.budget.take(entry.nbytes, now):
+            return True
+        if entry.key not in self._over_budget:
+            self._over_budget.add(entry.key)
+            self.meter.add(over_budget_nodes=1, over_budget_bytes=entry.nbytes)
+        return False
+
+    def _admitted(self, event: Event, entry) -> None:
+        self.meter.add(**{f"admitted.{event}": 1, f"admitted_bytes.{event}": entry.nbytes})
+
+    def _declined(self, entry) -> None:
+        """Not written: memory no longer holds it, and its index entry goes (retire_dropped)."""
+        self.meter.add(declined_nodes=1, declined_bytes=entry.nbytes)
+        if entry.node is not None:
+            with self.lock:
+                self.dropped.append(entry.node)
+
+    def _spill_one(self, entry) -> None:
+        """A node memory evicts before it is on disk: spilled, or under admit, spilled
+        if worth keeping and within the budget, else dropped."""
+        if self.settings.durability != "admit":
+            self._submit(self._spill_job(entry))
+            return
+        if self._queued(entry):
+            return
+        now = self.clock()
+        if self._admits("evicted", entry, now) and self._within_budget(entry, now):
+            self._admitted("evicted", entry)
+            self._submit(self._spill_job(entry))
+        else:
+            self._declined(entry)
+
+    def _spill_admitted(self) -> None:
+        """At close: write what admission keeps, most valuable first, within the
+        budget; what it does not keep leaves memory unwritten."""
+        now = self.clock()
+        entries = [e for e in self.hot.dirty_entries() if not self._queued(e)]
+        kept = [e for e in entries if self._admits("shutdown", e, now)]
+        kept_ids = {id(e) for e in kept}
+        for entry in sorted(kept, key=self.hot.value_of, reverse=True):
+            if self._within_budget(entry, now):
+                self._admitted("shutdown", entry)
+                self._submit(self._spill_job(entry))
+            else:
+                self.hot.pop(entry.key)  # not written: lost with the process, by the budget's choice
+        for entry in entries:
+            if id(entry) not in kept_ids:
+                self.hot.pop(entry.key)
+                self._declined(entry)
+
+    def _queued(self, entry) -> bool:
+        with self.lock:
+            job = self.pending.get(entry.key)
+        return job is not None and job.snapshots is entry.snapshots
+
+    def _offer(self, job: SpillJob) -> bool:
+        with self.lock:
+            self.pending[job.node.key] = job
+        if self.writer.offer(job):
+            return True
+        with self.lock:
+            if self.pending.get(job.node.key) is job:
+                del self.pending[job.node.key]
+        return False
+
+    def retire_dropped(self) -> int:
+        """Remove from the index the nodes admission dropped that are still leaves
+        with no file and no data here (deepest first); how many."""
+        with self.lock:
+            dropped, self.dropped = sorted(self.dropped, key=lambda n: -n.end), []
+        retired = 0
+        for node_id in dropped:
+            if node_id.key in self.hot or node_id.key in self.pending:
+                continue  # stored again meanwhile
+            try:
+                node = self.index.get(node_id.key)
+                if node is None or node.id != node_id or node.record.file or not self.index.is_leaf(node.key):
+                    continue
+                retired += self.filing.retire(self.index.namespace(node.namespace), node_id) is not None
+            except PromptStoreError:
+                continue  # changed by another process: compact's dataless_nodes finds it
+        return retired
+
+    def _save_read_back(self) -> None:
+        """File bytes read that no Space counted (a warm start's, of namespaces not bound here)."""
+        with self.lock:
+            left, self.read_back = dict(self.read_back), defaultdict(int)
+        for ns_key, nbytes in left.items():
+            try:
+                self.index.bump(self.index.namespace(ns_key), disk_read_bytes=nbytes)
+            except PromptStoreError:
+                pass  # counters are advisory
+
+    def take_read_back(self, namespace: bytes) -> int:
+        """File bytes of `namespace` read since the last call (for its persistent counters)."""
+        with self.lock:
+            return self.read_back.pop(namespace, 0)
+
     # --- serving ------------------------------------------------------------------
 
     def has(self, node: Node) -> bool:
@@ -413,6 +575,9 @@ class Tiers:
             return snapshots
         self.counts["cold_loads"] += 1
         self._recorded_retention(node)
+        self.meter.add(read_back_bytes=node.record.nbytes)
+        with self.lock:
+            self.read_back[node.namespace] += node.record.nbytes
         evicted = self.hot.put(
             node.key,
             snapshots,
@@ -506,8 +671,12 @@ class Tiers:
         return self.hot.used[tenant]
 
     def only_in_memory(self) -> dict[bytes, int]:
-        """Nodes the hot tier holds that are not on disk yet (a close spills them), by key: their bytes."""
-        return {e.key: e.nbytes for e in self.hot.dirty_entries()}
+        """Nodes the hot tier holds that are not on disk yet and that a close spills, by key: their bytes."""
+        entries = self.hot.dirty_entries()
+        if self.settings.durability == "admit":
+            now = self.clock()
+            entries = [e for e in entries if self._admits("shutdown", e, now)]
+        return {e.key: e.nbytes for e in entries}
 
     def metrics(self, **figures) -> StoreMetrics:
         """What the meter counted, with the tiers' sizes and remote counts; `figures`: the rest."""
@@ -519,6 +688,7 @@ class Tiers:
             hot_nodes=nodes,
             hot_bytes=nbytes,
             retention=self.retention_figures(),
+            compact_written_bytes=self.counts["compact_written_bytes"],
             **figures,
         )
 
@@ -536,14 +706,21 @@ class Tiers:
 
     def spill_all(self) -> None:
         """Put every node that is only in memory on disk (close, whatever the
-        durability), but those retained in_memory: they go with the process, and
-        so do their nodes, where no other node hangs under them."""
+        durability but admit, which writes what it keeps and drops the rest), but
+        those retained in_memory: they go with the process, and so do their
+        nodes, where no other node hangs under them."""
         dropped = []
         for entry in self.hot.dirty_entries():
             if self.retained.never_write(entry.key):
                 self._spill_evicted([self.hot.pop(entry.key)])
                 dropped.append(entry.node)
-                continue
+        if self.settings.durability == "admit":
+            self._spill_admitted()
+            self.flush()
+            self.retire_dropped()
+            self._unstore([n for n in dropped if n is not None])
+            return
+        for entry in self.hot.dirty_entries():
             with self.lock:
                 queued = self.pending.get(entry.key)
             if queued is None or queued.snapshots is not entry.snapshots:  # not one already on its way
@@ -609,8 +786,12 @@ class Tiers:
         return len(dirty) + len(stranded), nbytes
 
     def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.stop()
         self.spill_all()
+        self.retire_dropped()
         self.writer.close()
+        self._save_read_back()
         self.filing.settle()
         if self.remote is not None:
             self.remote.close()  # waits (bounded) for queued publishes

@@ -51,9 +51,16 @@ def test_operator_view_and_tenant_views(cli, tmp_path, model_dir):
         "hits",
         "misses",
         "tokens_served",
+        "disk_written_bytes",
+        "compact_written_bytes",
+        "disk_read_bytes",
+        "write_amplification",
         "index_bytes",
     }
     assert totals["hits"] == 1 and totals["misses"] == 2
+    # Each generate closed its store, writing its nodes; the hit was served from a file.
+    assert totals["disk_written_bytes"] >= totals["nbytes"] > 0 and totals["disk_read_bytes"] > 0
+    assert totals["write_amplification"] == round(totals["disk_written_bytes"] / totals["disk_read_bytes"], 3)
     table = cli("stats", "--store", store).stdout
     assert (
         "namespace" not in table.replace("every namespace", "") and "span" not in table and str(model_dir) not in table

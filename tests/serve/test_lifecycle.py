@@ -102,7 +102,9 @@ def _wait_for(server, text: str, seconds: float = 60, every: float = 0.1) -> boo
 
 def test_after_a_restart_the_warm_start_makes_the_next_turn_a_hit_from_memory(serve, model_dir):
     model = model_dir("llama")
-    server = serve(model)
+    # A first turn nobody continued is a one-off to the default durability (admit),
+    # which does not write it: write_through does.
+    server = serve(model, "--durability", "write_through")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
     text, _, _ = chat(server.client(), messages)
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": QUESTIONS[1]}]
@@ -155,7 +157,7 @@ def test_warm_start_first_loads_the_model_after_it_and_a_sigterm_meanwhile_close
 
     # A store of real turns (the one above holds random KV): the model loads after
     # the warm start, and the next turn is a hit from memory.
-    server = serve(model, store=tmp_path / "chats")
+    server = serve(model, "--durability", "write_through", store=tmp_path / "chats")  # keeps a first turn
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
     text, _, _ = chat(server.client(), messages)
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": QUESTIONS[1]}]
@@ -202,3 +204,31 @@ def test_the_kernel_warm_up_runs_before_the_server_is_healthy_and_stores_nothing
     assert ids == reference_reply(model, messages, 12)
     assert "kernel warm-up" not in quiet.log()
     assert quiet.stop() == 0
+
+
+def test_by_default_a_one_off_is_never_written_and_a_conversation_survives_a_restart(serve, model_dir):
+    """The default durability, admit: a chat nobody continued writes nothing; one
+    that went on is written (its reused turn at once, its last turn at the stop)
+    and its next turn after a restart restores it all."""
+    model = model_dir("llama")
+    server = serve(model, "--warm-start", "false")
+    one_off = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[3]}]
+    chat(server.client(), one_off)
+    assert server.stop() == 0
+    assert list((server.store / "cold").rglob("*.safetensors")) == []
+    assert "of one-off prompts not written (admit)" in server.log()
+
+    server = serve(model, "--warm-start", "false", store=server.store)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    for question in QUESTIONS[1:3]:
+        text, _, _ = chat(server.client(), messages)
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": question}]
+    assert server.stop() == 0
+    assert "the disk refused" not in server.log() and "store closed:" in server.log()
+
+    server = serve(model, "--warm-start", "false", store=server.store)
+    _, ids, cached = chat(server.client(), messages)
+    assert ids == reference_reply(model, messages, 12)
+    assert cached >= rendered_length(model, messages[:-1])
+    assert server.stop() == 0
+    assert store_problems(server.store) == {}

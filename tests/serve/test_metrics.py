@@ -77,7 +77,9 @@ def written(server: Server, seconds: float = 30) -> dict:
 
 def test_counters_equal_what_the_responses_reported_across_a_restart(serve, model_dir):
     model = model_dir("llama")
-    options = ("--warm-start", "false", "--cold-plan", "load")  # after the restart, the hit is read from disk
+    # After the restart, the hit is read from disk; write_through: every node goes to disk
+    # (the default, admit, would keep the one-off's nodes in memory only).
+    options = ("--warm-start", "false", "--cold-plan", "load", "--durability", "write_through")
     server = serve(model, *options)
     label = {"model": str(model.resolve())}
     miss, hot = complete(server.client()), complete(server.client())
@@ -108,6 +110,10 @@ def test_counters_equal_what_the_responses_reported_across_a_restart(serve, mode
     assert restored == {"hot": 0, "cold": cold.cached, "remote": 0, "computed": 0}
     assert value(m, "promptstore_restore_seconds_count", **label, tier="cold") == 1
     assert 0 < value(m, "promptstore_restore_bytes_total", **label, tier="cold") <= value(m, "promptstore_stored_bytes")
+    read_back = value(m, "promptstore_disk_read_back_bytes_total")
+    assert read_back == value(m, "promptstore_restore_bytes_total", **label, tier="cold")  # what the cold hit read
+    assert value(m, "promptstore_admitted_total", reason="tick") == 0  # write_through admits nothing: it writes all
+    assert value(m, "promptstore_write_amplification") == value(m, "promptstore_disk_written_bytes_total") / read_back
     assert get(server, "/health").json() == {"status": "ok", "model_loaded": True, "generation_restarts": 0}
     assert server.stop() == 0
 
