@@ -46,15 +46,18 @@ class Settings(BaseModel):
         "close, never a one-off prompt nobody came back to (store/admission.py)",
     )
     admit_idle_seconds: float = Field(
-        60.0,
+        5.0,
         gt=0,
-        description="admit: a conversation (a prompt that went on from an earlier one) idle this long is written",
+        description="admit: a conversation (a prompt that went on from an earlier one) idle this long is written "
+        "(its earlier turns are written once the next turn reuses them; this bounds what a crash loses of its "
+        "last turn)",
     )
     admit_prefill_seconds: float = Field(
-        30.0,
+        0.1,
         ge=0,
         description="admit: a node memory evicts that nobody reused is still written if recomputing it costs "
-        "at least this many prefill seconds",
+        "at least this many prefill seconds (a chat's first turn evicted before its next turn comes cannot be "
+        "told from a one-off)",
     )
     disk_write_budget: ByteSize | None = Field(
         None,
