@@ -48,6 +48,11 @@ Sections (goals in brackets):
                wrong Content-Type, no Content-Length, 10 MB bodies) go in round-robin for 60 s (quick 15)
                and /health is polled every 0.5 s: dropped connections [0], health checks not 200 [0],
                ordinary turns failed [0]; answers by status, and answers not as the catalogue expects, counted.
+  kill_turns   what a SIGKILL costs per durability: a `promptstore serve` holding chats, turn after turn,
+               SIGKILLed at a random instant (0-3 s after a reply), started again on its store; each
+               conversation's next turn says how many of its finished turns it restored. Turns restored
+               counted per durability (admit, write_through, write_back, sync), no goal: the trade-off of
+               README's "What the store writes" table, measured.
 """
 
 from __future__ import annotations
@@ -1040,6 +1045,8 @@ def _remote_final(args, url: str, root: Path, events: list, killed: float) -> di
 
 HOSTILE_LOAD_THREADS = 3  # threads holding ordinary conversations while the hostile requests go in
 HOSTILE_TIMEOUT_S = 30.0  # every request's; a refusal takes milliseconds, a reply well under a second
+KILL_CONVERSATIONS = 3  # chats a serving process holds, turn after turn, when it is SIGKILLed
+KILL_AFTER_S = 4.0  # the kill comes 4-8 s into the chats, then 0-3 s more: at no particular point of a turn
 
 
 def hostile(args, work: Path) -> dict:
@@ -1165,6 +1172,91 @@ def hostile(args, work: Path) -> dict:
     return result
 
 
+def _talk(client, convs: list, done: list, c: int, stop, rng) -> None:
+    """Conversation c's turns, one after another, until `stop` or the server goes away."""
+    from tests.serve.conftest import QUESTIONS
+
+    while not stop.is_set():
+        messages = convs[c] + [{"role": "user", "content": rng.choice(QUESTIONS)}]
+        try:
+            r = client.chat.completions.create(model="default_model", messages=messages, max_tokens=8, temperature=0)
+        except Exception:  # the kill: this turn did not finish
+            return
+        convs[c] = messages + [{"role": "assistant", "content": r.choices[0].message.content or ""}]
+        done[c] += 1
+
+
+def kill_turns(args, work: Path) -> dict:
+    import threading
+
+    from promptstore.testing.model_dir import write_model_dir
+    from tests.serve.conftest import QUESTIONS, SYSTEM, Server, rendered_length
+
+    started = now()
+    rng = random.Random(args.seed)
+    model = write_model_dir(work / "kill-model", "llama")
+    out: dict = {"trials_per_durability": args.kill_trials, "conversations": KILL_CONVERSATIONS, "durabilities": {}}
+    for durability in args.kill_durability:
+        finished = restored = 0
+        trials = []
+        for trial in range(args.kill_trials):
+            root = work / f"kill-{durability}-{trial}"
+            root.mkdir(parents=True, exist_ok=True)
+            server = Server(model, root / "store", root / "server.log", "--durability", durability)
+            convs = [
+                [{"role": "system", "content": f"{SYSTEM} Conversation {c} of trial {trial}."}]
+                for c in range(KILL_CONVERSATIONS)
+            ]
+            done = [0] * KILL_CONVERSATIONS  # turns each conversation finished before the kill
+            stop = threading.Event()
+
+            try:
+                server.start()
+                client = server.client()
+                threads = [
+                    threading.Thread(target=_talk, args=(client, convs, done, c, stop, rng))
+                    for c in range(KILL_CONVERSATIONS)
+                ]
+                for t in threads:
+                    t.start()
+                time.sleep(rng.uniform(KILL_AFTER_S, 2 * KILL_AFTER_S))  # turns go on meanwhile
+                time.sleep(rng.uniform(0, 3))
+                server.proc.kill()  # SIGKILL, at no particular point of a turn
+                server.proc.wait(timeout=60)
+                stop.set()
+                for t in threads:
+                    t.join(timeout=60)
+                server.start()
+                client = server.client()
+                kept = []
+                for c, conv in enumerate(convs):
+                    ask = conv + [{"role": "user", "content": QUESTIONS[0]}]
+                    r = client.chat.completions.create(model="default_model", messages=ask, max_tokens=1, temperature=0)
+                    cached = (r.usage.prompt_tokens_details.cached_tokens or 0) if r.usage.prompt_tokens_details else 0
+                    # A finished turn counts as restored when its reply's end is within what the hit restored.
+                    ends = [rendered_length(model, conv[: 1 + 2 * (k + 1)]) for k in range(done[c])]
+                    kept.append(sum(1 for end in ends if end <= cached))
+            finally:
+                server.kill()
+            finished += sum(done)
+            restored += sum(kept)
+            trials.append({"finished": list(done), "restored": kept})
+            shutil.rmtree(root, ignore_errors=True)
+        out["durabilities"][durability] = {
+            "turns_finished": finished,
+            "turns_restored": restored,
+            "share_restored": round(restored / finished, 3) if finished else None,
+            "trials": trials,
+        }
+        print(
+            f"  kill_turns: {durability}: {restored} of {finished} finished turns restored after "
+            f"{args.kill_trials} SIGKILLs",
+            flush=True,
+        )
+    out["seconds"] = round(now() - started, 1)
+    return out
+
+
 # --- main ----------------------------------------------------------------------------------------
 
 
@@ -1177,7 +1269,7 @@ def parse(argv=None):
     p.add_argument("--quick", action="store_true", help="a short run (about two minutes)")
     p.add_argument(
         "--only",
-        default="crash,fuzz,concurrency,compact_crash,index_damage,memory,remote,sentinel,hostile",
+        default="crash,fuzz,concurrency,compact_crash,index_damage,memory,remote,sentinel,hostile,kill_turns",
         help="comma-separated sections",
     )
     p.add_argument("--minutes", type=float, help="run each section about this long (counts are then ignored)")
@@ -1194,6 +1286,8 @@ def parse(argv=None):
         "--remote-final", type=int, help="published prompts a fresh store reads back (default 400; quick 100)"
     )
     p.add_argument("--hostile-seconds", type=float, help="length of the hostile run (default 60; quick 15)")
+    p.add_argument("--kill-trials", type=int, help="SIGKILLs of a serving process per durability (default 5; quick 1)")
+    p.add_argument("--kill-durability", default="admit,write_through,write_back,sync")
     p.add_argument("--remote-worker", help=argparse.SUPPRESS)  # a worker of the remote run (its spec, JSON)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", help="the JSON written (default bench-results/soak.json; quick soak-quick.json)")
@@ -1211,6 +1305,8 @@ def parse(argv=None):
     args.remote_kill_after = args.remote_seconds / (4 if args.quick else 3)
     args.remote_final = args.remote_final or (100 if args.quick else 400)
     args.hostile_seconds = args.hostile_seconds or (60 * args.minutes if args.minutes else 15 if args.quick else 60)
+    args.kill_trials = args.kill_trials or (1 if args.quick else 5)
+    args.kill_durability = args.kill_durability.split(",")
     args.crash_durability = args.crash_durability.split(",")
     if args.quick and "--crash-durability" not in " ".join(argv or sys.argv):
         args.crash_durability = ["sync", "write_through"]
@@ -1231,6 +1327,7 @@ SECTIONS = {
     "remote": remote,
     "sentinel": sentinel,
     "hostile": hostile,
+    "kill_turns": kill_turns,
 }
 
 

@@ -23,6 +23,7 @@ from ..errors import PromptStoreError
 from ..generation import prefill
 from ..store import Hit, PromptStore, Space
 from ..store.model import weights_digest
+from .pieces import Pieces, PieceTokenizer
 from .replies import ChatTurn, common_prefix, rendered_turn
 from .tenants import PUBLIC, InFlight, InFlightRequest, Tenant, TrackedPrompt
 
@@ -148,6 +149,7 @@ class StoreCache:
         self.inflight = InFlight()
         self.counts: Counter = Counter()
         self.model = self.tokenizer = self.model_key = None
+        self.pieces: Pieces | None = None  # the server's kept pieces of rendered chats (serve/pieces.py)
         self.identity: str | None = None
         self.prefill_step = 2048
         self._spaces: dict[tuple, Space] = {}
@@ -453,7 +455,10 @@ class StoreCache:
         """
         t0 = time.perf_counter()
         try:
-            rendered = rendered_turn(self.tokenizer, request.chat, named[len(request.prompt) :], request.prompt)
+            tokenizer = self.tokenizer
+            if self.pieces is not None:
+                tokenizer = PieceTokenizer(tokenizer, self.pieces, request.tenant.salt)
+            rendered = rendered_turn(tokenizer, request.chat, named[len(request.prompt) :], request.prompt)
         except Exception as e:  # a template that cannot render its own reply: keep the tokens
             log.debug("reply not rendered (%s): storing the generated tokens", e)
             rendered = []

@@ -10,6 +10,8 @@ before it tokenizes what lies between them, so the tokens of a piece between
 two such tokens do not depend on the rest of the text. The system prompt, and
 every earlier message, come back unchanged as such pieces; their tokens are
 kept (least recently used out first) and only the new pieces are tokenized.
+Pieces are kept per tenant (`scope`): how fast one tenant's text is tokenized
+never says whether another tenant sent it.
 
 Whether a tokenizer behaves so is checked, not assumed: on a sample of texts
 when the model loads, then by tokenizing the first requests both ways. Any
@@ -52,7 +54,7 @@ class Pieces:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
-        self._kept: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._kept: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()  # (scope, piece): its tokens
         self._chars = 0
         self._left_to_check = CHECKED_REQUESTS
         self.counts = {"pieces_reused": 0, "pieces_tokenized": 0}
@@ -68,10 +70,11 @@ class Pieces:
     def whole(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, scope=None) -> list[int]:
+        """`text`'s tokens; `scope` (a tenant's salt) keeps its pieces apart from other scopes'."""
         if not self.enabled:
             return self.whole(text)
-        tokens = self._pieced(text)
+        tokens = self._pieced(text, scope)
         with self._lock:
             checking = self._left_to_check > 0
             if checking:
@@ -84,35 +87,36 @@ class Pieces:
                 return whole
         return tokens
 
-    def _pieced(self, text: str) -> list[int]:
+    def _pieced(self, text: str, scope) -> list[int]:
         out: list[int] = []
         at = 0
         for m in self._pattern.finditer(text):
             if m.start() > at:
-                out += self._piece(text[at : m.start()])
+                out += self._piece(text[at : m.start()], scope)
             out.append(self._ids[m.group()])
             at = m.end()
         if at < len(text):
-            out += self._piece(text[at:])
+            out += self._piece(text[at:], scope)
         return out
 
-    def _piece(self, piece: str) -> tuple[int, ...] | list[int]:
+    def _piece(self, piece: str, scope) -> tuple[int, ...] | list[int]:
         if len(piece) < SMALL_PIECE:
             return self.whole(piece)
+        key = (scope, piece)
         with self._lock:
-            kept = self._kept.get(piece)
+            kept = self._kept.get(key)
             if kept is not None:
-                self._kept.move_to_end(piece)
+                self._kept.move_to_end(key)
                 self.counts["pieces_reused"] += 1
                 return kept
         tokens = tuple(self.whole(piece))
         with self._lock:
             self.counts["pieces_tokenized"] += 1
-            if piece not in self._kept and len(piece) <= KEPT_CHARS // 4:
-                self._kept[piece] = tokens
+            if key not in self._kept and len(piece) <= KEPT_CHARS // 4:
+                self._kept[key] = tokens
                 self._chars += len(piece)
                 while len(self._kept) > KEPT_PIECES or self._chars > KEPT_CHARS:
-                    old, _ = self._kept.popitem(last=False)
+                    (_, old), _ = self._kept.popitem(last=False)
                     self._chars -= len(old)
         return tokens
 
@@ -146,10 +150,11 @@ class Pieces:
 
 class PieceTokenizer:
     """A tokenizer whose `apply_chat_template(..., tokenize=True)` renders the
-    text and tokenizes it through `Pieces`; everything else is the tokenizer's own."""
+    text and tokenizes it through `Pieces` (in `scope`: a tenant's salt);
+    everything else is the tokenizer's own."""
 
-    def __init__(self, tokenizer, pieces: Pieces):
-        self._tokenizer, self._pieces = tokenizer, pieces
+    def __init__(self, tokenizer, pieces: Pieces, scope=None):
+        self._tokenizer, self._pieces, self._scope = tokenizer, pieces, scope
 
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)
@@ -161,9 +166,9 @@ class PieceTokenizer:
         text = self._tokenizer.apply_chat_template(conversation, *args, **{**kwargs, "tokenize": False})
         if not isinstance(text, str):
             return self._tokenizer.apply_chat_template(conversation, *args, **kwargs)
-        return self._pieces.encode(text)
+        return self._pieces.encode(text, self._scope)
 
     def encode(self, text, *args, **kwargs):
         if isinstance(text, str) and kwargs.get("add_special_tokens") is False and not args and len(kwargs) == 1:
-            return self._pieces.encode(text)
+            return self._pieces.encode(text, self._scope)
         return self._tokenizer.encode(text, *args, **kwargs)

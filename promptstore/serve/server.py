@@ -124,13 +124,8 @@ class StoreModelProvider(mlx_server.ModelProvider):
         vocab = [len(self.tokenizer._tokenizer), getattr(args, "vocab_size", None)]
         self.vocab_size = min(v for v in vocab if v)
         self.pieces = Pieces(self.tokenizer)  # a chat's unchanged messages are not tokenized again
-        self.cache.attach(
-            self.model,
-            self.piecewise(self.tokenizer),
-            self.draft_model,
-            self.model_key,
-            self.cli_args.prefill_step_size,
-        )
+        self.cache.attach(self.model, self.tokenizer, self.draft_model, self.model_key, self.cli_args.prefill_step_size)
+        self.cache.pieces = self.pieces
         if self.cli_args.kernel_warm_up and self.draft_model is None:
             self._warm_up()
         libraries = runtime_libraries() if self.cli_args.read_gpu_libraries else []
@@ -139,10 +134,12 @@ class StoreModelProvider(mlx_server.ModelProvider):
             log.info("GPU runtime libraries: %d files, %.2f GB read in %.2f s", files, nbytes / 1e9, seconds)
         self.ready = True
 
-    def piecewise(self, tokenizer):
-        """`tokenizer`, rendering chats through the pieces kept (serve/pieces.py)."""
+    def piecewise(self, tokenizer, tenant: Tenant):
+        """`tokenizer`, rendering chats through the pieces kept for `tenant` (serve/pieces.py)."""
         pieces = getattr(self, "pieces", None)
-        return tokenizer if pieces is None or pieces.tokenizer is not tokenizer else PieceTokenizer(tokenizer, pieces)
+        if pieces is None or pieces.tokenizer is not tokenizer:
+            return tokenizer
+        return PieceTokenizer(tokenizer, pieces, tenant.salt)
 
     def _warm_up(self) -> None:
         """Run a small batch as a restarted server's first round runs (on the
@@ -475,14 +472,14 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
 
     # --- the HTTP thread ------------------------------------------------------------
 
-    def check_prompt(self, request, chat_template_kwargs) -> Rendered | None:
+    def check_prompt(self, request, chat_template_kwargs, tenant: Tenant = PUBLIC) -> Rendered | None:
         """Render and tokenize the prompt, or ServeRequestError (before anything is
         queued). Returns the result for the generation thread to use as it is
         (None for a prompt with images, which mlx_lm.server renders itself)."""
         tokenizer = self.model_provider.tokenizer
         if tokenizer is None:
             raise ServeRequestError("the model is still loading; retry shortly", status=503)
-        tokenizer = self.model_provider.piecewise(tokenizer)
+        tokenizer = self.model_provider.piecewise(tokenizer, tenant)
         self._check_length(tokenizer, request)
         if request.request_type == "text":
             prompt = self._text_tokens(tokenizer, request.prompt)
@@ -974,7 +971,7 @@ class StoreHandler(mlx_server.APIHandler):
         anything is queued. The Messages and Responses APIs admit theirs here too."""
         received = time.perf_counter()
         with self.response_generator.arrivals.checking() as arrival:
-            rendered = self.response_generator.check_prompt(request, self.chat_template_kwargs)
+            rendered = self.response_generator.check_prompt(request, self.chat_template_kwargs, self.tenant)
         timeline = {"received": received, "checked": time.perf_counter()}
         extra = {"tenant": self.tenant, "timeline": timeline, "rendered": rendered, "arrival": arrival}
         kept = ((None, CLASSES[self.retention]),) if self.retention else ()

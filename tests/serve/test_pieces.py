@@ -94,3 +94,16 @@ def test_only_the_first_requests_are_tokenized_twice():
     pieces.encode(text)
     assert len(text) not in calls  # no whole-text check any more
     assert max(calls, default=0) < 64  # only the small pieces (role names, newlines) were tokenized
+
+
+def test_pieces_are_kept_per_tenant():
+    """One tenant's text tokenized fast never says another tenant sent it: pieces
+    kept for one scope are tokenized again for another."""
+    tok = demo_tokenizer(1024)
+    pieces = Pieces(tok)
+    text = tok.apply_chat_template(conversation(random.Random(3), 1), add_generation_prompt=True, tokenize=False)
+    whole = tok.encode(text, add_special_tokens=False)
+    assert pieces.encode(text, "salt-a") == whole
+    tokenized = pieces.counts["pieces_tokenized"]
+    assert pieces.encode(text, "salt-a") == whole and pieces.counts["pieces_tokenized"] == tokenized
+    assert pieces.encode(text, "salt-b") == whole and pieces.counts["pieces_tokenized"] > tokenized
