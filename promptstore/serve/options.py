@@ -187,6 +187,13 @@ def _add_options(group) -> None:
         "on an H100 host whose page cache was dropped, 0.3 s when it is warm; nothing on CPU; docs/serve.md)",
     )
     group.add_argument(
+        "--warm-prompts",
+        metavar="FILE",
+        help="a JSON list of message arrays (as a chat completion's messages) a deployment sends at the start "
+        "of its conversations, e.g. its system prompt: each is prefilled and stored at start unless the store "
+        "holds it already, so the first conversation restores it too (serve/warm_prompts.py)",
+    )
+    group.add_argument(
         "--shutdown-timeout",
         type=float,
         default=60.0,

@@ -40,6 +40,7 @@ from .pieces import Pieces, PieceTokenizer
 from .replies import ChatTurn
 from .schemas import ChatCompletionBody, CompletionBody, checked
 from .tenants import PUBLIC, KeyRing, Tenant, load_api_keys
+from .warm_prompts import load_warm_prompts, warm
 from .warmup import read_libraries, runtime_libraries, warm_up
 
 log = logging.getLogger("promptstore.serve")
@@ -128,6 +129,9 @@ class StoreModelProvider(mlx_server.ModelProvider):
         self.cache.pieces = self.pieces
         if self.cli_args.kernel_warm_up and self.draft_model is None:
             self._warm_up()
+        prompts = getattr(self.cli_args, "warm_prompt_list", None)
+        if prompts:
+            log.info("%s", warm(self.cache, prompts, self.cli_args.chat_template_args))
         libraries = runtime_libraries() if self.cli_args.read_gpu_libraries else []
         if libraries:
             files, nbytes, seconds = read_libraries(libraries)
@@ -1093,6 +1097,7 @@ def main(argv=None) -> int:
             args.model = str(model_dir(args.model))  # a local directory: nothing is ever downloaded
             keyring = KeyRing(load_api_keys(args.api_keys) if args.api_keys else None)
             args.metrics_key = load_metrics_key(args.metrics_key_file, keyring) if args.metrics_key_file else None
+            args.warm_prompt_list = load_warm_prompts(args.warm_prompts) if args.warm_prompts else None
             with shutdown.held():  # a signal meanwhile comes once `store` can be closed
                 store = PromptStore.open(args.store, **store_settings(args))
         except PromptStoreError as e:

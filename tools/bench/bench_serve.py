@@ -4,7 +4,7 @@ Every server runs the same model directory with the same memory budget for
 cached prompts and its own best caching settings (mlx_lm.server: its LRU
 prompt cache; vllm-mlx: continuous batching, its memory-aware prefix cache,
 its SSD tier and, where a system prompt is known, its warm prompts;
-promptstore serve: its store). The servers answer the same requests in turn,
+promptstore serve: its store, and the same warm prompts). The servers answer the same requests in turn,
 the one that goes first rotating, so each sees the same machine load.
 
 - chat: LMCache's multi-round QA: users with a shared system prompt and a
@@ -302,7 +302,7 @@ def answer_of(run: Run, name: str, label: str, user: int) -> str:
 
 
 def warm_prompts(workload: str, w: dict) -> list[list[dict]] | None:
-    """vllm-mlx's warm prompts: the system prompt a deployment knows before any request."""
+    """The system prompt a deployment knows before any request (vllm-mlx's and promptstore's --warm-prompts)."""
     if workload == "chat":
         return [[{"role": "system", "content": text_of(w["system_tokens"], 0)}]]
     if workload == "single":

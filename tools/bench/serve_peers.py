@@ -38,7 +38,7 @@ class Setup:
     serve_args: list[str]
     vllm_python: str | None  # None: vllm-mlx is not run
     vllm_pythonpath: str
-    warm_prompts: list[list[dict]] | None = None  # vllm-mlx's --warm-prompts, where they apply
+    warm_prompts: list[list[dict]] | None = None  # vllm-mlx's and promptstore's --warm-prompts, where they apply
 
 
 def build(name: str, s: Setup) -> Server:
@@ -51,6 +51,10 @@ def build(name: str, s: Setup) -> Server:
     if name == PROMPTSTORE:
         # --prompt-cache-bytes is also promptstore's hot-tier budget (--hot-bytes' default).
         store = ["--store", str(s.work / "store")]
+        if s.warm_prompts:  # the same file format as vllm-mlx's
+            path = s.work / "promptstore-warm-prompts.json"
+            path.write_text(json.dumps(s.warm_prompts))
+            store += ["--warm-prompts", str(path)]
         cmd = [s.python, "-m", "promptstore", "serve", *mlx_args, *common, *store, *s.serve_args]
         return Server(name, cmd, s.env, s.work / "promptstore.log", "default_model")
     if name == VLLM_MLX:
