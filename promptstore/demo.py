@@ -109,20 +109,11 @@ def load(model_path: str | None):
 
         model, tokenizer = mlx_load(model_path)
         return model, tokenizer, str(Path(model_path).resolve())
-    from .testing.models import tiny_model
+    from .testing.models import DEMO_LLAMA, tiny_model
     from .testing.tokenizer import demo_tokenizer
 
     tokenizer = demo_tokenizer(1024)
-    model = tiny_model(
-        "llama",
-        num_hidden_layers=4,
-        hidden_size=256,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=32,
-        intermediate_size=512,
-        vocab_size=1024,
-    )
+    model = tiny_model("llama", **DEMO_LLAMA, vocab_size=1024)
     return model, tokenizer, "demo-random-llama-v1"
 
 

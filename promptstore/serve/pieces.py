@@ -88,15 +88,19 @@ class Pieces:
         return tokens
 
     def _pieced(self, text: str, scope) -> list[int]:
+        return self._split(text, lambda piece: self._piece(piece, scope))
+
+    def _split(self, text: str, encode_piece) -> list[int]:
+        """The special tokens' ids, and `encode_piece` of the text between them."""
         out: list[int] = []
         at = 0
         for m in self._pattern.finditer(text):
             if m.start() > at:
-                out += self._piece(text[at : m.start()], scope)
+                out += encode_piece(text[at : m.start()])
             out.append(self._ids[m.group()])
             at = m.end()
         if at < len(text):
-            out += self._piece(text[at:], scope)
+            out += encode_piece(text[at:])
         return out
 
     def _piece(self, piece: str, scope) -> tuple[int, ...] | list[int]:
@@ -128,24 +132,12 @@ class Pieces:
                 for special in specials[:4]:
                     b = SAMPLES[(i + 3) % len(SAMPLES)]
                     text = a + special + b + special + a
-                    if self.whole(text) != self._split_encode(text):
+                    if self.whole(text) != self._split(text, self.whole):
                         return False
         except Exception as e:  # a tokenizer this cannot read: tokenize whole
             log.debug("piecewise tokenizing not checked: %s", e)
             return False
         return True
-
-    def _split_encode(self, text: str) -> list[int]:
-        out: list[int] = []
-        at = 0
-        for m in self._pattern.finditer(text):
-            if m.start() > at:
-                out += self.whole(text[at : m.start()])
-            out.append(self._ids[m.group()])
-            at = m.end()
-        if at < len(text):
-            out += self.whole(text[at:])
-        return out
 
 
 class PieceTokenizer:

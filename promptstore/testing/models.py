@@ -41,6 +41,17 @@ ATTENTION_CHUNK_SIZE = 16
 # dt_bias, D) keep their constructor values: redrawn around zero they would
 # zero the norms.
 
+# The demo's llama (4 layers, hidden 256; 4 KiB of KV per token in float32): the
+# demo, the CPU benchmarks and the wear benchmark build it with the demo tokenizer's vocabulary.
+DEMO_LLAMA = dict(
+    num_hidden_layers=4,
+    hidden_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    intermediate_size=512,
+)
+
 _COMMON = dict(
     hidden_size=64,
     num_attention_heads=4,

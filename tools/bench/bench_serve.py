@@ -59,20 +59,14 @@ from serve_peers import (  # noqa: E402
 )
 
 from promptstore.testing.model_dir import write_model_dir  # noqa: E402
+from promptstore.testing.models import DEMO_LLAMA  # noqa: E402
 from promptstore.testing.tokenizer import CORPUS, demo_tokenizer  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 PROFILES = {
     # The demo's model in float32 on 2 CPU cores: prefill dominates at these lengths.
     "cpu": dict(
-        model=dict(
-            num_hidden_layers=4,
-            hidden_size=256,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=32,
-            intermediate_size=512,
-        ),
+        model=dict(DEMO_LLAMA),
         dtype="float32",
         chat=dict(users=4, rounds=3, system_tokens=768, context_tokens=256, answer_tokens=24, budget=256 * MiB),
         pressure=dict(conversations=16, context_tokens=1024, passes=3, answer_tokens=16, budget=16 * MiB),

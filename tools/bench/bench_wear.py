@@ -43,20 +43,11 @@ from common import blas_info, print_goals, write_results
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from promptstore import PromptStore  # noqa: E402
-from promptstore.testing.models import tiny_model  # noqa: E402
+from promptstore.testing.models import DEMO_LLAMA, tiny_model  # noqa: E402
 
 POLICIES = ("write_through", "write_back", "sync", "admit")
 # The demo's llama (bench_serve's cpu profile), float32 on CPU: 4 KiB of KV per token.
-MODEL = dict(
-    num_hidden_layers=4,
-    hidden_size=256,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    intermediate_size=512,
-    vocab_size=1024,
-    max_position_embeddings=131072,
-)
+MODEL = dict(DEMO_LLAMA, vocab_size=1024, max_position_embeddings=131072)
 TURNS, ONE_OFFS = 100, 20
 # The workload's 60k tokens, scaled to 12k: on 2 CPU cores each turn's restore and
 # insert of a 30k-token session took over a minute per 20 turns (the default run
