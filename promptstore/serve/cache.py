@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -109,11 +109,12 @@ def _marks(kept: tuple, n_tokens: int) -> tuple:
 class _Waiting:
     """An insert handed over by mlx-lm and not yet done."""
 
-    work: Callable[[], None]
+    work: Callable[[], Iterator[None]]  # its steps: a reply's prefill yields between chunks
     n_tokens: int
     cache_type: str
     owners: frozenset  # the requests whose tokens these are (at most one part of each request's prompt waits)
     asked: list[int]  # a finished request's prompt: its next turn goes on with it
+    steps: Iterator[None] | None = None  # begun and paused (run_background's `until`)
 
     def said(self) -> str:
         return f"{self.n_tokens} tokens ({self.cache_type})"
@@ -170,6 +171,11 @@ class StoreCache:
         # batch of four ~5k-token chats padded from ~19 to ~69 new tokens took
         # 60-100 ms longer, a reply's insert alone 21-74 ms, median 38 (docs/serve.md).
         self.replies_before_fetch = True
+        # Tokens of a reply's prefill between the points where a waiting insert
+        # gives way to a request that came (None: all at once). On CPU a reply of
+        # ~40 tokens took ~30 ms, and the requests of a new conversation arriving
+        # meanwhile waited all of it (chat round 1 of bench_serve: 21-51 ms).
+        self.reply_chunk: int | None = None
         self._background: deque[_Waiting] = deque()
 
     @contextmanager
@@ -344,12 +350,19 @@ class StoreCache:
         """Whether a request in flight has not had its first token handed out."""
         return self.inflight.awaiting_first_token()
 
-    def run_background(self, n: int | None = None) -> None:
+    def run_background(self, n: int | None = None, until: Callable[[], bool] | None = None) -> None:
         """Do up to `n` (all when None) of the finished requests' inserts, oldest
-        first (generation thread), after the parts of prompts handed over before them."""
+        first (generation thread), after the parts of prompts handed over before them.
+        until: asked between the chunks of a reply's prefill (`reply_chunk`); once
+        it says so (a request waits), the insert pauses and keeps its place, to go
+        on at the next call or when its conversation's next turn comes."""
         self.run_deferred()
         while self._background and (n is None or n > 0):
-            self._run(self._background.popleft())
+            item = self._background.popleft()
+            if self._run(item, until) is None:
+                self._background.appendleft(item)
+                self.counts["reply_inserts_paused"] += 1
+                return
             n = None if n is None else n - 1
 
     def _run_replies_of(self, prompt: list[int]) -> None:
@@ -376,10 +389,17 @@ class StoreCache:
         """Every insert still waiting, as the closing line names one."""
         return [item.said() for item in (*self._deferred, *self._background)]
 
-    def _run(self, item: _Waiting) -> bool:
+    def _run(self, item: _Waiting, until: Callable[[], bool] | None = None) -> bool | None:
+        """Run an insert to its end (True), or until `until()` between its steps
+        (None: paused, its state kept); False if it failed (logged: the store
+        leaves itself as it was)."""
         try:
             with self._timed():
-                item.work()
+                if item.steps is None:
+                    item.steps = item.work()
+                for _ in item.steps:
+                    if until is not None and until():
+                        return None
             return True
         except Exception:
             log.exception("insert of %d tokens (%s) not stored", item.n_tokens, item.cache_type)
@@ -411,11 +431,11 @@ class StoreCache:
         work = lambda: self._insert(space, reply_of, tokens, held, cache, kept)  # noqa: E731
         return work, within_prompt, frozenset(owners)
 
-    def _insert(self, space: Space, reply_of, tokens: list[int], held: int, cache, kept=()) -> None:
-        """kept: how long the owners asked to keep the tokens (_kept)."""
+    def _insert(self, space: Space, reply_of, tokens: list[int], held: int, cache, kept=()) -> Iterator[None]:
+        """The insert's steps. kept: how long the owners asked to keep the tokens (_kept)."""
         started = time.perf_counter()
         if reply_of is not None and self.reply_tokens == "rendered":
-            stored, phases = self._insert_rendered(space, reply_of, tokens, held, cache, kept)
+            stored, phases = yield from self._insert_rendered(space, reply_of, tokens, held, cache, kept)
         else:
             stored, phases = space.insert(tokens[:held], cache, retention=_marks(kept, held)), {}
         phases.update(space.last_insert_phases())  # the store's part, phase by phase
@@ -479,11 +499,17 @@ class StoreCache:
             # store's own fetch, not a request's hit).
             hit = space.fetch(rendered, count=False)
             cache, position = hit.cache, hit.length
-        prefill(self.model, cache, rendered, position, len(rendered), self.prefill_step)
+        chunk, spent = self.reply_chunk or len(rendered), time.perf_counter() - t1
+        for lo in range(position, len(rendered), chunk):
+            t = time.perf_counter()
+            prefill(self.model, cache, rendered, lo, min(lo + chunk, len(rendered)), self.prefill_step)
+            spent += time.perf_counter() - t
+            if lo + chunk < len(rendered):
+                yield  # a request that came meanwhile may go first (run_background's `until`)
         t2 = time.perf_counter()
-        stored = space.insert(rendered, cache, prefill_seconds=t2 - t1, retention=_marks(kept, len(rendered)))
+        stored = space.insert(rendered, cache, prefill_seconds=spent, retention=_marks(kept, len(rendered)))
         self.counts["reply_tokens_prefilled"] += len(rendered) - position
-        return stored, {"render": t1 - t0, "prefill": t2 - t1, "store": time.perf_counter() - t2}
+        return stored, {"render": t1 - t0, "prefill": spent, "store": time.perf_counter() - t2}
 
     # --- what mlx_lm.server reads ---------------------------------------------------
 

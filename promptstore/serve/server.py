@@ -198,6 +198,9 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         # Each waiting insert holds its finished request's cache: no more than the batch held.
         cache.background_limit = max(1, args.decode_concurrency)
         cache.replies_before_fetch = args.reply_before_fetch
+        # On CPU a reply's prefill gives way to a request that came, every 16 tokens;
+        # on a GPU one forward of the whole reply costs about what one of 16 tokens does.
+        cache.reply_chunk = REPLY_CHUNK_CPU if mx.default_device() == mx.cpu else None
         self.arrivals = Arrivals(bound=args.arrival_wait)
         self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
         self.metrics_access = MetricsAccess(args.metrics, getattr(args, "metrics_key", None), keyring)
@@ -375,7 +378,8 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
             return  # parts of prompts wait for the first tokens (a fetch runs them first)
         cache.run_deferred()
         if cache.has_background and self._quiet():
-            cache.run_background(1)  # a finished request's, one a step, while the batch only decodes
+            # A finished request's, one a step, while the batch only decodes.
+            cache.run_background(1, until=self._request_waiting)
 
     def _next_request(self, timeout=None):
         if self._closing is not None:
@@ -388,9 +392,13 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         if timeout is not None and cache.has_background and self._idle():
             # Nothing in the batch and nothing to take: a finished request's insert,
             # then mlx-lm's loop comes back here (a request that came meanwhile goes first).
-            cache.run_background(1)
+            cache.run_background(1, until=self._request_waiting)
             return None
         return super()._next_request(timeout)
+
+    def _request_waiting(self) -> bool:
+        """A request is queued for the generation thread (a waiting insert gives way to it)."""
+        return not self.requests.empty()
 
     def _idle(self) -> bool:
         """Nothing to take and no request waiting for its first token. With
@@ -635,6 +643,7 @@ COMPLETIONS = {
     "/v1/completions": CompletionBody,
 }
 MAX_TOKENS_UNKNOWN_CONTEXT = 1 << 20  # the most max_tokens may ask of a model that states no context
+REPLY_CHUNK_CPU = 16  # tokens of a reply's prefill between the points where it gives way to a request
 
 
 class _Answered(BaseException):

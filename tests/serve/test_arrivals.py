@@ -163,7 +163,7 @@ class WaitingInserts:
     def run_deferred(self) -> None:
         pass
 
-    def run_background(self, n=None) -> None:
+    def run_background(self, n=None, until=None) -> None:
         self.waiting -= 1 if n == 1 else self.waiting
 
     def awaiting_first_token(self) -> bool:

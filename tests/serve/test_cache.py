@@ -240,3 +240,34 @@ def test_with_kv_bits_a_fetch_restores_in_one_namespace_only(tmp_path, model_dir
         assert cache.last_hit is not None and cache.last_hit.length == len(prompt)
         assert plain.last_hit is not None and quantized.last_hit is None
         assert request
+
+
+def test_a_reply_prefill_gives_way_between_chunks_and_goes_on_later(cache):
+    """On CPU a waiting reply's prefill runs in chunks (reply_chunk) and pauses
+    when a request waits; it keeps its place and state, and what it stores once
+    done is what one whole prefill computes."""
+    cache.reply_chunk = 8
+    tok = cache.tokenizer
+    messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Hello there"}]
+    prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    turn = ChatTurn(messages, None, {})
+    request, _ = cache.begin(ALICE, prompt, turn, ())
+    text = "a reply the template renders in far fewer tokens than were generated, one a letter"
+    generated = [t for ch in text for t in tok.encode(ch, add_special_tokens=False)] + [tok.eos_token_id]
+    named = prompt + generated
+    cache.insert_cache(cache.model_key, named, filled(cache, named[:-1]))
+    rendered = rendered_turn(tok, turn, generated, prompt)
+    space = cache.spaces(ALICE)[0]
+    asked = []
+    cache.run_background(until=lambda: asked.append(1) or True)  # a request waits at once
+    assert asked == [1] and cache.counts["reply_inserts_paused"] == 1 and len(cache._background) == 1
+    assert space.restorable_length(rendered) < len(rendered)  # paused after its first chunk: nothing stored
+    cache.run_background()  # on from where it paused
+    assert not cache._background and space.restorable_length(rendered) == len(rendered)
+    assert cache.counts["reply_tokens_prefilled"] > 2 * cache.reply_chunk
+    hit = space.fetch([*rendered, 5])
+    assert hit.length == len(rendered)
+    restored = cache.model(mx.array([[5]]), cache=hit.cache)[0, -1]
+    whole = cache.model(mx.array([[*rendered, 5]]), cache=make_prompt_cache(cache.model))[0, -1]
+    assert mx.abs(restored - whole).max().item() < 1e-4
+    assert request
