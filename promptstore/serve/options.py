@@ -5,8 +5,10 @@ the store, API keys, the model's identity, limits and store settings."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import types
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -261,3 +263,14 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not positive")
     return value
+
+
+def read_json_file(path: str | Path, what: str) -> Any:
+    """A JSON file a serve option names, or ServeConfigError saying what is wrong
+    with it (`what`: "API keys file", say)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ServeConfigError(f"cannot read the {what} {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ServeConfigError(f"the {what} {path} is not JSON: {e}") from None

@@ -4,7 +4,6 @@ tell the prompt cache whose namespace an insert belongs to."""
 from __future__ import annotations
 
 import hmac
-import json
 import threading
 import weakref
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ServeConfigError
+from .options import read_json_file
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,7 @@ PUBLIC = Tenant(None, "public")
 def load_api_keys(path: str | Path) -> dict[str, Tenant]:
     """{api key: Tenant} from a JSON object {"<key>": "<salt>", ...}; keys that
     share a salt are one tenant."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ServeConfigError(f"cannot read the API keys file {path}: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ServeConfigError(f"the API keys file {path} is not JSON: {e}") from None
+    raw = read_json_file(path, "API keys file")
     if not isinstance(raw, dict) or not raw:
         raise ServeConfigError(f'the API keys file {path} must be a non-empty JSON object {{"<key>": "<salt>"}}')
     labels: dict[str, str] = {}

@@ -15,13 +15,13 @@ different user messages part, cut back to the last special token before that.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 
 from ..errors import ServeConfigError
 from ..generation import prefill
+from .options import read_json_file
 from .replies import common_prefix, plain_special_tokens
 
 log = logging.getLogger("promptstore.serve")
@@ -32,12 +32,7 @@ MAX_PROMPTS = 64
 
 def load_warm_prompts(path: str | Path) -> list[list[dict]]:
     """The file's message arrays, or ServeConfigError saying what is wrong."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ServeConfigError(f"cannot read the warm prompts file {path}: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ServeConfigError(f"the warm prompts file {path} is not JSON: {e}") from None
+    raw = read_json_file(path, "warm prompts file")
     want = 'a JSON list of message arrays, e.g. [[{"role": "system", "content": "..."}]]'
     if not isinstance(raw, list) or not raw or len(raw) > MAX_PROMPTS:
         raise ServeConfigError(f"the warm prompts file {path} must hold {want}, 1 to {MAX_PROMPTS} of them")
