@@ -255,3 +255,18 @@ def test_classes_are_the_apis_words():
     assert CLASSES["in_memory"].never_write and not CLASSES["24h"].never_write
     custom = Retention("10m", 600.0)
     assert custom.applied(5.0).keep_until == 605.0 and not custom.applied(5.0).kept(605.0)
+
+
+def test_admit_never_writes_what_is_kept_in_memory(tmp_path, model_of):
+    """admit writes a reused node, and a conversation's at close; never one kept in_memory."""
+    model = model_of("llama")
+    root = tmp_path / "store"
+    private = prompt_tokens(40, seed=1)
+    with PromptStore.open(root, durability="admit") as store:
+        with_clock(store)
+        space, node = stored(store, model, private, retention="in_memory")
+        assert space.fetch([*private, 7]).length == len(private)  # reused: admit would write it
+        store.tiers.write_due()
+        store.flush()
+        assert files(root) == [] and store.index.get(node.key).record.file is None
+    assert files(root) == []
