@@ -68,10 +68,16 @@ def warm(cache, prompts: list[list[dict]], template_kwargs: dict) -> str:
     the model `cache` (a StoreCache) is bound to, unless stored already; on the
     generation thread, before the server takes requests. Returns the log line."""
     started = time.perf_counter()
-    prefilled = stored = 0
-    for messages in prompts:
-        tokens = shared_tokens(cache.tokenizer, messages, template_kwargs)
+    prefilled = stored = skipped = 0
+    for i, messages in enumerate(prompts):
+        try:
+            tokens = shared_tokens(cache.tokenizer, messages, template_kwargs)
+        except Exception as e:  # no chat template, or one these messages do not render with
+            log.warning("warm prompt %d not stored: its messages do not render (%s)", i, e)
+            skipped += 1
+            continue
         if len(tokens) < 2:
+            skipped += 1
             continue
         for tenant in cache.tenants:
             space = cache.spaces(tenant)[0]
@@ -85,6 +91,6 @@ def warm(cache, prompts: list[list[dict]], template_kwargs: dict) -> str:
             space.insert(tokens, hit.cache, prefill_seconds=time.perf_counter() - t0)
             prefilled += len(tokens) - hit.length
     return (
-        f"warm prompts: {len(prompts)} prompts, {prefilled} tokens prefilled and stored, {stored} found stored "
-        f"({time.perf_counter() - started:.1f} s)"
+        f"warm prompts: {len(prompts)} prompts, {prefilled} tokens prefilled and stored, {stored} found stored"
+        f"{f', {skipped} skipped' if skipped else ''} ({time.perf_counter() - started:.1f} s)"
     )

@@ -73,3 +73,33 @@ def test_the_first_conversation_restores_the_warm_prompt(serve, model_dir, tmp_p
     _, ids, cached = chat(again.client(), [*system, {"role": "user", "content": QUESTIONS[1]}])
     assert cached >= shared - 1
     assert ids == reference_reply(model, [*system, {"role": "user", "content": QUESTIONS[1]}], 12)
+
+
+def test_a_prompt_the_template_cannot_render_is_skipped_not_fatal(tmp_path):
+    """A template that raises on these messages: the prompt is skipped with a warning, the rest stored."""
+    from promptstore import PromptStore
+    from promptstore.serve.cache import StoreCache
+    from promptstore.serve.warm_prompts import warm
+    from promptstore.testing.models import tiny_model
+
+    class Refusing:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def apply_chat_template(self, messages, **kwargs):
+            if any(m["content"] == "refused" for m in messages):
+                raise ValueError("this template takes no such message")
+            return self.inner.apply_chat_template(messages, **kwargs)
+
+    tok = demo_tokenizer(1024)
+    model = tiny_model("llama", vocab_size=1024)
+    with PromptStore.open(tmp_path / "store") as store:
+        cache = StoreCache(store, model_id="m")
+        cache.attach(model, Refusing(tok), None, ("m", None, None), prefill_step=64)
+        line = warm(cache, [[{"role": "system", "content": "refused"}], [{"role": "system", "content": SYSTEM}]], {})
+        assert "1 skipped" in line and "0 found stored" in line
+        shared = shared_tokens(tok, [{"role": "system", "content": SYSTEM}], {})
+        assert cache.spaces(cache.tenants[0])[0].restorable_length(shared) == len(shared)
