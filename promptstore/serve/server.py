@@ -389,7 +389,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
             return None
         cache = self.store_cache
         cache.run_deferred()  # before the loop takes a request or waits for one
-        if timeout is not None and cache.has_background and self._idle():
+        if timeout is not None and cache.has_background and self._idle() and not self._request_waiting():
             # Nothing in the batch and nothing to take: a finished request's insert,
             # then mlx-lm's loop comes back here (a request that came meanwhile goes first).
             cache.run_background(1, until=self._request_waiting)
@@ -397,8 +397,9 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         return super()._next_request(timeout)
 
     def _request_waiting(self) -> bool:
-        """A request is queued for the generation thread (a waiting insert gives way to it)."""
-        return not self.requests.empty()
+        """A request is queued for the generation thread, or, where a waiting insert
+        runs in short chunks (CPU), one is being checked: the insert gives way to it."""
+        return not self.requests.empty() or bool(self.store_cache.reply_chunk and self.arrivals.pending)
 
     def _idle(self) -> bool:
         """Nothing to take and no request waiting for its first token. With

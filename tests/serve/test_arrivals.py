@@ -153,8 +153,8 @@ def test_serve_refuses_an_arrival_wait_outside_0_to_10_seconds(capsys, wait):
 class WaitingInserts:
     """The generation thread's view of the store's cache: finished requests' inserts waiting."""
 
-    def __init__(self, n: int, replies_before_fetch: bool = True):
-        self.waiting, self.replies_before_fetch = n, replies_before_fetch
+    def __init__(self, n: int, replies_before_fetch: bool = True, reply_chunk: int | None = None):
+        self.waiting, self.replies_before_fetch, self.reply_chunk = n, replies_before_fetch, reply_chunk
 
     @property
     def has_background(self) -> bool:
@@ -170,19 +170,25 @@ class WaitingInserts:
         return False
 
 
-@pytest.mark.parametrize("replies_first", [True, False])
-def test_while_requests_are_checked_the_idle_generation_thread_stores_waiting_replies(replies_first):
+@pytest.mark.parametrize("replies_first,chunk", [(True, None), (False, None), (True, 16)])
+def test_while_requests_are_checked_the_idle_generation_thread_stores_waiting_replies(replies_first, chunk):
     """With nothing queued, a waiting insert runs (one per call) while a burst's
     requests are still being checked when their next turns store their replies
-    first anyway; otherwise the thread waits for the request being checked."""
+    first anyway (a GPU's reply is one forward); otherwise, and where inserts run
+    in short chunks (CPU: the request being checked may be a new conversation's,
+    which must not wait behind another's reply), the thread waits for the check."""
     from promptstore.serve.server import StoreResponseGenerator
 
     gen = StoreResponseGenerator.__new__(StoreResponseGenerator)
     gen.requests, gen.arrivals, gen._is_distributed, gen._closing = Queue(), Arrivals(bound=0.05), False, None
-    gen.store_cache = WaitingInserts(2, replies_first)
-    with gen.arrivals.checking():  # a request being checked, not yet queued
+    gen.store_cache = WaitingInserts(2, replies_first, chunk)
+    overlaps = replies_first and chunk is None
+    with gen.arrivals.checking() as token:  # a request being checked, not yet queued
         assert gen._next_request(timeout=0.01) is None
-        assert gen.store_cache.waiting == (1 if replies_first else 2)
+        assert gen.store_cache.waiting == (1 if overlaps else 2)
+    gen.arrivals.done(token)  # as its handler does when it queues it
     gen.requests.put("a queued request")
     assert gen._next_request(timeout=0.01) == "a queued request"  # a queued request goes first
-    assert gen.store_cache.waiting == (1 if replies_first else 2)
+    assert gen.store_cache.waiting == (1 if overlaps else 2)
+    assert gen._next_request(timeout=0.01) is None  # nothing queued or checked: a waiting insert runs
+    assert gen.store_cache.waiting == (0 if overlaps else 1)
