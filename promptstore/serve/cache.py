@@ -254,23 +254,15 @@ class StoreCache:
         short of what the other's index promised (a file gone bad, say)."""
         spaces = self.spaces(tenant)
         points = [p for p in boundaries if 0 < p < len(tokens)]
+        promised = [len(tokens)] * len(spaces)  # no word from the index (a remote tier may hold more): all fetch
+        if len(spaces) > 1 and not self.store.has_remote:
+            promised = [space.restorable_length(tokens[:-1]) for space in spaces]
         best = None
         try:
-            if len(spaces) > 1 and not self.store.has_remote:
-                promised = [space.restorable_length(tokens[:-1]) for space in spaces]
-                order = sorted(range(len(spaces)), key=lambda i: (-promised[i], i))
-                spaces = [spaces[i] for i in order]
-                promised = [promised[i] for i in order]
-                best = spaces[0].fetch(tokens, checkpoints=points)
-                for space, length in zip(spaces[1:], promised[1:]):
-                    if length > best.length:
-                        hit = space.fetch(tokens, checkpoints=points)
-                        best = hit if hit.length > best.length else best
-                return best
-            for space in spaces:
-                hit = space.fetch(tokens, checkpoints=points)
-                if best is None or hit.length > best.length:
-                    best = hit
+            for space, length in sorted(zip(spaces, promised), key=lambda pair: -pair[1]):  # ties: plain first
+                if best is None or length > best.length:
+                    hit = space.fetch(tokens, checkpoints=points)
+                    best = hit if best is None or hit.length > best.length else best
         except PromptStoreError as e:
             log.warning("fetch of %d tokens missed: %s", len(tokens), e)
         return best
