@@ -14,9 +14,10 @@ Pieces are kept per tenant (`scope`): how fast one tenant's text is tokenized
 never says whether another tenant sent it.
 
 Whether a tokenizer behaves so is checked, not assumed: on a sample of texts
-when the model loads, then by tokenizing the first requests both ways. Any
-difference turns this off for good (with a warning), and every text is
-tokenized whole again.
+when the model loads, then on the first requests' texts. Until that many have
+agreed, a text is tokenized whole (what the request uses) and piece by piece on
+a thread of its own, out of the request's way; any difference turns pieces off
+for good (with a warning), and every text is tokenized whole again.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from .replies import plain_special_tokens
 
 log = logging.getLogger("promptstore.serve")
 
-CHECKED_REQUESTS = 8  # first texts tokenized both ways, after the sample
+CHECKED_REQUESTS = 8  # texts that must agree both ways (after the sample) before pieces are used
 KEPT_PIECES = 1024
 KEPT_CHARS = 32 << 20
 SMALL_PIECE = 64  # pieces shorter than this are tokenized, not kept (a role name, a newline)
@@ -56,7 +57,10 @@ class Pieces:
         self._lock = threading.Lock()
         self._kept: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()  # (scope, piece): its tokens
         self._chars = 0
-        self._left_to_check = CHECKED_REQUESTS
+        self._agreed = 0  # texts whose pieces agreed with their whole tokenizing
+        self._to_check: deque[tuple[str, object, list[int]]] = deque()
+        self._checker: threading.Thread | None = None
+        self._checked = threading.Condition(self._lock)
         self.counts = {"pieces_reused": 0, "pieces_tokenized": 0}
         specials = plain_special_tokens(tokenizer)
         self._ids = {text: token_id for token_id, text in specials.items()}
@@ -74,18 +78,50 @@ class Pieces:
         """`text`'s tokens; `scope` (a tenant's salt) keeps its pieces apart from other scopes'."""
         if not self.enabled:
             return self.whole(text)
-        tokens = self._pieced(text, scope)
+        if self._agreed >= CHECKED_REQUESTS:
+            return self._pieced(text, scope)
+        whole = self.whole(text)
+        self._check_later(text, scope, whole)
+        return whole
+
+    def _check_later(self, text: str, scope, whole: list[int]) -> None:
+        """Tokenize `text` piece by piece on the checking thread and compare (the
+        request goes on with `whole` meanwhile); its pieces are kept."""
         with self._lock:
-            checking = self._left_to_check > 0
-            if checking:
-                self._left_to_check -= 1
-        if checking:
-            whole = self.whole(text)
-            if whole != tokens:
-                self.enabled = False
-                log.warning("prompts are tokenized whole from now on: a text tokenized piece by piece differed")
-                return whole
-        return tokens
+            if self._agreed + len(self._to_check) >= CHECKED_REQUESTS:
+                return  # enough texts are being checked already
+            self._to_check.append((text, scope, whole))
+            if self._checker is None:
+                self._checker = threading.Thread(target=self._check, name="promptstore-pieces-check", daemon=True)
+                self._checker.start()
+
+    def _check(self) -> None:
+        while True:
+            with self._lock:
+                if not self._to_check or not self.enabled:
+                    self._to_check.clear()
+                    self._checker = None
+                    self._checked.notify_all()
+                    return
+                text, scope, whole = self._to_check[0]
+            try:
+                agrees = self._pieced(text, scope) == whole
+            except Exception as e:  # a text the pieces cannot tokenize: tokenize whole
+                log.debug("piecewise tokenizing failed: %s", e)
+                agrees = False
+            with self._lock:
+                self._to_check.popleft()
+                if agrees:
+                    self._agreed += 1
+                else:
+                    self.enabled = False
+                    log.warning("prompts are tokenized whole from now on: a text tokenized piece by piece differed")
+
+    def settle(self, timeout: float = 10.0) -> bool:
+        """Wait until the texts handed to the checking thread are checked (tests, a
+        clean close); whether they were within `timeout`."""
+        with self._checked:
+            return self._checked.wait_for(lambda: self._checker is None, timeout)
 
     def _pieced(self, text: str, scope) -> list[int]:
         return self._split(text, lambda piece: self._piece(piece, scope))

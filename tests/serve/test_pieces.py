@@ -2,6 +2,7 @@
 seen lately kept: the same tokens as tokenizing the whole text, or whole texts."""
 
 import random
+import threading
 
 import pytest
 
@@ -22,11 +23,22 @@ def conversation(rng: random.Random, turns: int) -> list[dict]:
     return messages + [{"role": "user", "content": text(10)}]
 
 
+def past_the_check(pieces: Pieces, tok) -> None:
+    """The first texts' check passed (on other texts than the test's): pieces are used."""
+    for seed in range(CHECKED_REQUESTS):
+        text = tok.apply_chat_template(conversation(random.Random(100 + seed), 1), tokenize=False)
+        assert pieces.encode(text, "warm-up") == tok.encode(text, add_special_tokens=False)
+    assert pieces.settle()
+    assert pieces.enabled
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_chat_tokenized_in_pieces_equals_the_whole_tokenizing(seed):
     tok = demo_tokenizer(1024)
     pieces = Pieces(tok)
     assert pieces.enabled
+    past_the_check(pieces, tok)
+    before = dict(pieces.counts)
     wrapped = PieceTokenizer(tok, pieces)
     rng = random.Random(seed)
     messages = conversation(rng, 3)
@@ -36,8 +48,9 @@ def test_a_chat_tokenized_in_pieces_equals_the_whole_tokenizing(seed):
         text = tok.apply_chat_template(messages[:n], add_generation_prompt=True, tokenize=False)
         assert wrapped.encode(text, add_special_tokens=False) == whole
     # The system prompt and the earlier messages came back as kept pieces.
-    assert pieces.counts["pieces_reused"] > pieces.counts["pieces_tokenized"]
-    assert pieces.enabled  # the first requests, tokenized both ways too, agreed
+    reused, tokenized = (pieces.counts[k] - before[k] for k in ("pieces_reused", "pieces_tokenized"))
+    assert reused > tokenized
+    assert pieces.enabled
 
 
 def test_a_tokenizer_that_tokenizes_pieces_otherwise_is_tokenized_whole():
@@ -77,8 +90,36 @@ def test_a_difference_in_the_first_requests_turns_pieces_off_for_good():
     long = " ".join(WORDS[:600])
     text = f"<s><|system|>{long}<|end|><|user|>{long}<|end|>"
     assert pieces.encode(text) == tokenizer.encode(text)  # the whole text's tokens, not the pieces'
+    assert pieces.settle()  # checked on the checking thread
     assert not pieces.enabled
     assert pieces.encode(text) == tokenizer.encode(text)
+
+
+def test_pieces_are_used_only_once_the_first_texts_agreed():
+    """Until CHECKED_REQUESTS texts agreed, a request gets its text's whole
+    tokenizing, and the pieces are tokenized on the checking thread."""
+    tok = demo_tokenizer(1024)
+    pieces = Pieces(tok)
+    on_the_caller, real = [], pieces.whole
+
+    def whole(text):
+        if threading.current_thread() is threading.main_thread():
+            on_the_caller.append(len(text))
+        return real(text)
+
+    pieces.whole = whole
+    texts = [
+        tok.apply_chat_template(conversation(random.Random(20 + i), 2), add_generation_prompt=True, tokenize=False)
+        for i in range(CHECKED_REQUESTS + 1)
+    ]
+    for text in texts[:CHECKED_REQUESTS]:
+        assert pieces.encode(text) == tok.encode(text, add_special_tokens=False)
+        assert len(text) in on_the_caller  # the request's own tokens: the whole text's
+    assert pieces.settle()
+    assert pieces.counts["pieces_tokenized"] > 0  # tokenized, and kept, on the checking thread
+    on_the_caller.clear()
+    assert pieces.encode(texts[-1]) == tok.encode(texts[-1], add_special_tokens=False)
+    assert len(texts[-1]) not in on_the_caller  # checked: pieces now
 
 
 def test_only_the_first_requests_are_tokenized_twice():
@@ -90,6 +131,7 @@ def test_only_the_first_requests_are_tokenized_twice():
     text = tok.apply_chat_template(conversation(random.Random(7), 2), add_generation_prompt=True, tokenize=False)
     for _ in range(CHECKED_REQUESTS):
         pieces.encode(text)
+    assert pieces.settle()
     calls.clear()
     pieces.encode(text)
     assert len(text) not in calls  # no whole-text check any more
@@ -101,6 +143,7 @@ def test_pieces_are_kept_per_tenant():
     kept for one scope are tokenized again for another."""
     tok = demo_tokenizer(1024)
     pieces = Pieces(tok)
+    past_the_check(pieces, tok)
     text = tok.apply_chat_template(conversation(random.Random(3), 1), add_generation_prompt=True, tokenize=False)
     whole = tok.encode(text, add_special_tokens=False)
     assert pieces.encode(text, "salt-a") == whole
