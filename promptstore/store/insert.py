@@ -153,9 +153,11 @@ class Inserter:
 
     def _pieces(self, toks: np.ndarray, cache, prefill_seconds: float | None):
         """(end, its snapshots or None, prefill seconds) of each node to insert: one
-        for the whole span unless it holds more than `node_bytes`, then a chain of
-        nodes ending at multiples of a step (the last at the end of `toks`); and
-        the plan read, for the first node's commit when the span is one node."""
+        for the whole span unless it holds more than `node_bytes` or a retention
+        mark ends inside it, then a chain of nodes ending at multiples of a step
+        and at the marks' ends (a node has one class; the last ends at the end of
+        `toks`); and the plan read, for the first node's commit when the span is
+        one node."""
         with self._phase("plan"):
             planned = self.index.plan_insert(self.namespace, toks)
         start, end = planned.span
@@ -163,10 +165,14 @@ class Inserter:
             return [(len(toks), None, prefill_seconds)], planned
         snaps = self._snap_span(cache, start, end)
         nbytes = C.node_nbytes(snaps)
-        if nbytes <= self.settings.node_bytes:
+        at_marks = {e for e, _ in getattr(self._phases, "marks", ()) if start < e < end}
+        if nbytes <= self.settings.node_bytes and not at_marks:
             return [(len(toks), snaps, prefill_seconds)], planned
-        step = max(self.settings.prefill_step, int(self.settings.node_bytes * (end - start) / nbytes))
-        cuts = [c for c in range((start // step + 1) * step, end, step) if c - start >= step // 4]
+        cuts = set(at_marks)
+        if nbytes > self.settings.node_bytes:
+            step = max(self.settings.prefill_step, int(self.settings.node_bytes * (end - start) / nbytes))
+            cuts.update(c for c in range((start // step + 1) * step, end, step) if c - start >= step // 4)
+        cuts = sorted(cuts)
         pieces = C.cut_node(snaps, cuts)
         bounds = [start, *cuts, end]
         share = (

@@ -197,6 +197,25 @@ def test_marks_keep_each_prefix_by_its_own_class(tmp_path, model_of):
         assert store.tiers.retention_of(tail.key).name == "5m"
 
 
+def test_a_mark_inside_a_new_span_is_a_node_boundary(tmp_path, model_of):
+    """One insert of a span with marks inside it (no earlier insert cut it there):
+    each mark's end becomes a node's end, each node keeps its own class, and the
+    prefix to each mark restores like a prefill."""
+    model = model_of("llama")
+    tokens = prompt_tokens(60, seed=4)
+    with PromptStore.open(tmp_path) as store:
+        with_clock(store)
+        space = store.bind(model, model_id="m")
+        cache = fresh_cache(model)
+        forward(model, cache, tokens)
+        space.insert(tokens, cache, retention=[(20, "24h"), (45, "1h"), (60, "5m")])
+        path = store.index.lookup(space.namespace, tokens).path
+        assert [n.end for n in path] == [20, 45, 60]
+        assert [store.tiers.retention_of(n.key).name for n in path] == ["24h", "1h", "5m"]
+        for n in (21, 46, 60):
+            assert restores_like_a_prefill(model, space, tokens[:n])
+
+
 def test_the_disk_budget_keeps_a_retained_leaf_across_a_restart_until_its_time(tmp_path, model_of):
     model = model_of("llama")
     kept_tokens, plain_tokens = prompt_tokens(40, seed=1), prompt_tokens(40, seed=2)
