@@ -10,7 +10,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -115,6 +115,8 @@ class _Waiting:
     owners: frozenset  # the requests whose tokens these are (at most one part of each request's prompt waits)
     asked: list[int]  # a finished request's prompt: its next turn goes on with it
     steps: Iterator[None] | None = None  # begun and paused (run_background's `until`)
+    tokens: list[int] = field(default_factory=list)  # a part of a prompt: its tokens
+    ranged: bool = False  # its caches restore any prefix of what they hold (a longer part stores its tokens too)
 
     def said(self) -> str:
         return f"{self.n_tokens} tokens ({self.cache_type})"
@@ -293,7 +295,9 @@ class StoreCache:
         `run_deferred`, which the generation thread calls before a batch step
         once no request waits for its first token, before it waits for a
         request, and before any fetch (so a fetch finds every earlier part of a
-        prompt); at most one part of each request waits. A finished request's
+        prompt); at most one part of each request waits (its next part replaces
+        it where every cache restores any prefix of what it holds, and runs it
+        first where a layer's state there is had only now). A finished request's
         insert (its reply, rendered as the next turn will send it, which costs
         a prefill) waits for `run_background`: when the generation thread has
         no request to take, or no request in its batch still waits for its
@@ -308,17 +312,28 @@ class StoreCache:
         tokens = [int(t) for t in tokens]
         try:
             with self._timed():
-                work, within_prompt, owners = self._prepare_insert(model, tokens, prompt_cache)
+                work, within_prompt, owners, ranged = self._prepare_insert(model, tokens, prompt_cache)
         except Exception:
             log.exception("insert of %d tokens (%s) not stored", len(tokens), cache_type)
             return
         if work is None:
             return
         if within_prompt:
-            if any(owners & waiting.owners for waiting in self._deferred):
+            earlier = [waiting for waiting in self._deferred if owners & waiting.owners]
+            if earlier and all(
+                w.ranged and w.owners <= owners and w.tokens == tokens[: len(w.tokens)] for w in earlier
+            ):
+                # Its own request's earlier part, of caches that restore any prefix
+                # and owned by no other request: this insert stores its tokens too
+                # (with the same owners' retention), so it need not run now, in
+                # front of the request's first token.
+                for waiting in earlier:
+                    self._deferred.remove(waiting)
+                    self.counts["prompt_parts_superseded"] += 1
+            elif earlier:
                 self.run_deferred()  # at most one part of each request's prompt waits
             _own_copy(prompt_cache)  # so that what waits holds its request's arrays, not the batch's
-            self._deferred.append(_Waiting(work, len(tokens), cache_type, owners, []))
+            self._deferred.append(_Waiting(work, len(tokens), cache_type, owners, [], tokens=tokens, ranged=ranged))
         elif not self.background:
             self._run(_Waiting(work, len(tokens), cache_type, owners, []))
         else:
@@ -399,8 +414,9 @@ class StoreCache:
 
     def _prepare_insert(self, model_key, tokens: list[int], prompt_cache):
         """The insert of `tokens` (None if nothing is to be stored), whether the
-        tokens lie within an owner's prompt, and the requests that own them."""
-        nothing = None, False, frozenset()
+        tokens lie within an owner's prompt, the requests that own them, and
+        whether every cache restores any prefix of what it holds (role "range")."""
+        nothing = None, False, frozenset(), False
         if model_key != self.model_key or not tokens or min(tokens) < 0:
             return nothing  # another model, or an image prompt's key (negative placeholder ids)
         owners = self.inflight.owners(tokens)
@@ -421,7 +437,8 @@ class StoreCache:
         within_prompt = any(len(tokens) <= len(o.prompt) for o in owners)
         kept = _kept(owners)
         work = lambda: self._insert(space, reply_of, tokens, held, cache, kept)  # noqa: E731
-        return work, within_prompt, frozenset(owners)
+        ranged = all(getattr(c, "role", None) == "range" for c in cache)
+        return work, within_prompt, frozenset(owners), ranged
 
     def _insert(self, space: Space, reply_of, tokens: list[int], held: int, cache, kept=()) -> Iterator[None]:
         """The insert's steps. kept: how long the owners asked to keep the tokens (_kept)."""

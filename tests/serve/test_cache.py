@@ -100,9 +100,9 @@ def test_prompt_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cac
     stored later: nothing is in the store until run_deferred (before a batch step,
     a wait for a request, or a fetch), which stores them in order in their owner's
     namespace, also when the owner's request ended meanwhile. At most one part of
-    each request waits: its next part runs it first. A finished request's tokens
-    (its prompt and reply) wait for run_background: neither a step nor a fetch
-    runs them."""
+    each request waits: with caches that restore any prefix, its next part
+    replaces it (and stores its tokens). A finished request's tokens (its prompt
+    and reply) wait for run_background: neither a step nor a fetch runs them."""
     prompt, longer = list(range(10, 40)), list(range(10, 40)) + [5, 6, 7, 8]
     alice, _ = cache.begin(ALICE, prompt, None, ())
     carol, _ = cache.begin(ALICE, [3, 3] + prompt, None, ())  # another request of the same tenant
@@ -112,8 +112,8 @@ def test_prompt_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cac
     space = cache.spaces(ALICE)[0]
     assert space.fetch(prompt + [0]).length == 0 and len(cache._deferred) == 2  # one of each request
     cache.insert_cache(cache.model_key, prompt, filled(cache, prompt))  # Alice's next part
-    assert space.fetch(prompt[:20] + [0]).length == 20 and len(cache._deferred) == 1
-    assert space.fetch(prompt + [0]).length == 20
+    assert cache.counts["prompt_parts_superseded"] == 1 and len(cache._deferred) == 2
+    assert space.fetch(prompt + [0]).length == 0  # nothing ran in front of the request's first token
     del alice, carol  # the requests ended before the last insert ran
     gc.collect()
     bob, _ = cache.begin(BOB, longer, None, ())  # a fetch: the inserts run first
@@ -129,6 +129,33 @@ def test_prompt_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cac
     cache.run_background(1)
     assert not cache.has_background and cache.spaces(BOB)[0].fetch(reply + [0]).length == len(reply)
     assert bob
+
+
+def test_a_recurrent_models_earlier_part_is_stored_before_its_next_part_waits(tmp_path, model_dir):
+    """A recurrent layer's state at a segment's end exists only then: the next
+    part of the request runs the earlier one (it is not replaced), and both
+    points restore, equal to a prefill to each."""
+    model, tokenizer = loaded(model_dir("qwen3_next"))
+    with PromptStore.open(tmp_path / "store") as store:
+        cache = StoreCache(store, model_id="tiny-hybrid")
+        cache.attach(model, tokenizer, None, ("m", None, None), prefill_step=64)
+        prompt = list(range(10, 40))
+        alice, _ = cache.begin(ALICE, prompt, None, ())
+        cache.insert_cache(cache.model_key, prompt[:20], filled(cache, prompt[:20]), cache_type="system")
+        cache.insert_cache(cache.model_key, prompt, filled(cache, prompt))
+        assert cache.counts["prompt_parts_superseded"] == 0 and len(cache._deferred) == 1
+        space = cache.spaces(ALICE)[0]
+        assert space.fetch(prompt[:20] + [0]).length == 20  # the earlier part ran
+        cache.run_deferred()
+        assert space.fetch(prompt + [0]).length == len(prompt)
+        for n in (20, len(prompt)):
+            asked = prompt[:n] + [0]
+            hit = space.fetch(asked)
+            assert hit.length == n
+            got = model(mx.array(asked[n:])[None], cache=hit.cache)[0, -1]
+            want = model(mx.array(asked)[None], cache=make_prompt_cache(model))[0, -1]
+            assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=1e-4).item()
+        assert alice
 
 
 def test_with_replies_before_fetch_a_next_turn_runs_its_own_conversations_reply_first(cache):
