@@ -198,8 +198,8 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         # Each waiting insert holds its finished request's cache: no more than the batch held.
         cache.background_limit = max(1, args.decode_concurrency)
         cache.replies_before_fetch = args.reply_before_fetch
-        # On CPU a reply's prefill gives way to a request that came, every 16 tokens;
-        # on a GPU one forward of the whole reply costs about what one of 16 tokens does.
+        # On CPU a reply's prefill gives way to a request that came, every 8 tokens;
+        # on a GPU one forward of the whole reply costs about what one of 8 tokens does.
         cache.reply_chunk = REPLY_CHUNK_CPU if mx.default_device() == mx.cpu else None
         self.arrivals = Arrivals(bound=args.arrival_wait)
         self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
@@ -644,7 +644,7 @@ COMPLETIONS = {
     "/v1/completions": CompletionBody,
 }
 MAX_TOKENS_UNKNOWN_CONTEXT = 1 << 20  # the most max_tokens may ask of a model that states no context
-REPLY_CHUNK_CPU = 16  # tokens of a reply's prefill between the points where it gives way to a request
+REPLY_CHUNK_CPU = 8  # tokens of a reply's prefill between the points where it gives way to a request
 
 
 class _Answered(BaseException):
