@@ -88,7 +88,11 @@ PROFILES = {
         ),
         dtype="bfloat16",
         chat=dict(users=4, rounds=4, system_tokens=1900, context_tokens=2900, answer_tokens=48, budget=8 * GiB),
-        pressure=dict(conversations=16, context_tokens=4096, passes=3, answer_tokens=32, budget=2 * GiB),
+        # Replies are compared with a full prefill's in float32 only: in bfloat16 a
+        # prefill in other chunks may round otherwise and pick another token.
+        pressure=dict(
+            conversations=16, context_tokens=4096, passes=3, answer_tokens=32, budget=2 * GiB, check_replies=False
+        ),
         single=dict(system_tokens=2048, context_tokens=6144, rounds=6, answer_tokens=48, budget=8 * GiB),
         note="Llama-3.1-8B's shape (32 layers, hidden 4096, 8 KV heads of 128) with random bfloat16 weights "
         "and the demo tokenizer's 1,024-token vocabulary",
@@ -362,8 +366,10 @@ def run_workload(workload: str, w: dict, base: Setup, names: list[str], args, ru
         "vllm_mlx_log": vllm_log(log_lines(servers[VLLM_MLX])) if VLLM_MLX in servers else None,
         "disk_bytes": {name: du(work / d) for name, d in DISK.items() if name.split(" (")[0] in servers},
     }
-    if workload == "pressure":
+    if workload == "pressure" and w.get("check_replies", True):
         out["full_prefill"] = compare_with_full_prefill(run.rows, setup)
+    for r in run.rows:
+        r.pop("messages", None)
     if not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     return out
@@ -396,7 +402,7 @@ def compare_with_full_prefill(rows: list[dict], setup: Setup) -> dict:
     out: dict[str, dict] = {}
     for r in rows:
         kind = VLLM_MLX if r["server"] == VLLM_MLX else MLX_LM
-        same = replies[(kind, json.dumps(r.pop("messages")))] == r["reply"]
+        same = replies[(kind, json.dumps(r["messages"]))] == r["reply"]
         r["equals_full_prefill"] = same
         s = out.setdefault(r["server"], {"equal": 0, "requests": 0, "differ": []})
         s["equal"] += same
@@ -439,7 +445,7 @@ def summarize(workload: str, runs: list[dict], names: list[str]) -> dict:
                 a = [r for run in runs for r in run["rows"] if r["server"] == base and r["round"] == label]
                 b = [r for run in runs for r in run["rows"] if r["server"] == name and r["round"] == label]
                 s["replies_equal_mlx_lm"] = f"{sum(x['reply'] == y['reply'] for x, y in zip(a, b))}/{len(a)}"
-    if workload == "pressure":
+    if workload == "pressure" and all("full_prefill" in run for run in runs):
         for name in names:
             eq = [run["full_prefill"][name] for run in runs]
             out[name]["replies_equal_full_prefill"] = f"{sum(e['equal'] for e in eq)}/{sum(e['requests'] for e in eq)}"
@@ -491,7 +497,7 @@ def goals(results: dict) -> list[dict]:
                     limit,
                 )
                 out.append(g)
-    if "pressure" in ours:
+    if "replies_equal_full_prefill" in ours.get("pressure", {}):
         equal, total = map(int, ours["pressure"]["replies_equal_full_prefill"].split("/"))
         out.append(
             {
