@@ -324,24 +324,20 @@ def run_workload(workload: str, w: dict, base: Setup, names: list[str], args, ru
     servers = {name: build(name, setup) for name in names}
     started = time.perf_counter()
     k = run_no % len(names)  # who starts first rotates too
-    for name in names[k:] + names[:k]:
-        servers[name].start()
+    together = not args.drop_page_cache
+    start_all([servers[name] for name in names[k:] + names[:k]], together)
     run = Run(servers)
     restarts: dict[str, dict] = {}
 
     def restart(how: str) -> None:
         time.sleep(SETTLE_S)
         t0 = time.perf_counter()
-        for server in servers.values():
-            server.stop() if how == "SIGTERM" else server.kill()
+        each(list(servers.values()), lambda server: server.stop() if how == "SIGTERM" else server.kill())
         dropped = drop_page_cache() if args.drop_page_cache else None
-        for name in run.order():
-            if dropped:  # each starts alone after the page cache was emptied
-                drop_page_cache()
-            t1 = time.perf_counter()
-            servers[name].start()
-            restarts.setdefault(how, {})[name] = {"start_s": time.perf_counter() - t1}
-        restarts[how]["page_cache_dropped"] = dropped
+        # Each starts alone after the page cache was emptied; else all at once.
+        took = start_all([servers[name] for name in run.order()], together, before=drop_page_cache if dropped else None)
+        restarts[how] = {name: {"start_s": s} for name, s in took.items()}
+        restarts[how] |= {"page_cache_dropped": dropped, "started_together": together}
         print(f"  {how}: every server stopped and started again in {time.perf_counter() - t0:.1f} s", flush=True)
 
     try:
@@ -353,9 +349,7 @@ def run_workload(workload: str, w: dict, base: Setup, names: list[str], args, ru
             single(run, w)
         time.sleep(SETTLE_S)
     finally:
-        for server in servers.values():
-            if server.running():
-                server.stop()
+        each([server for server in servers.values() if server.running()], lambda server: server.stop())
     out = {
         "wall_s": time.perf_counter() - started,
         "rounds": run.rounds,
@@ -373,6 +367,47 @@ def run_workload(workload: str, w: dict, base: Setup, names: list[str], args, ru
     if not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def each(servers: list[Server], do) -> None:
+    """`do(server)` for every server at once (threads); the first error is raised."""
+    errors: list[BaseException] = []
+
+    def one(server: Server) -> None:
+        try:
+            do(server)
+        except BaseException as e:  # noqa: BLE001 - raised again below, on this thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(server,)) for server in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def start_all(servers: list[Server], together: bool, before=None) -> dict[str, float]:
+    """Start the servers (all at once when `together`, else in order, `before()`
+    ahead of each); seconds each took to answer its first request. Starting is
+    not timed against the goals: together, a run spends a third of the time on it
+    (an 8B model's three servers took 20-32 s each to start, one after another)."""
+    took: dict[str, float] = {}
+
+    def start(server: Server) -> None:
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        server.start()
+        took[server.name] = time.perf_counter() - t
+
+    if together:
+        each(servers, start)
+    else:
+        for server in servers:
+            start(server)
+    return took
 
 
 def log_lines(server: Server) -> list[str]:
