@@ -87,13 +87,13 @@ PROFILES = {
             rope_theta=500000.0,
         ),
         dtype="bfloat16",
-        chat=dict(users=4, rounds=4, system_tokens=1900, context_tokens=2900, answer_tokens=48, budget=8 * GiB),
+        chat=dict(users=4, rounds=4, system_tokens=1900, context_tokens=2900, answer_tokens=48, budget=4 * GiB),
         # Replies are compared with a full prefill's in float32 only: in bfloat16 a
         # prefill in other chunks may round otherwise and pick another token.
         pressure=dict(
             conversations=16, context_tokens=4096, passes=3, answer_tokens=32, budget=2 * GiB, check_replies=False
         ),
-        single=dict(system_tokens=2048, context_tokens=6144, rounds=6, answer_tokens=48, budget=8 * GiB),
+        single=dict(system_tokens=2048, context_tokens=6144, rounds=6, answer_tokens=48, budget=4 * GiB),
         note="Llama-3.1-8B's shape (32 layers, hidden 4096, 8 KV heads of 128) with random bfloat16 weights "
         "and the demo tokenizer's 1,024-token vocabulary",
     ),
@@ -598,6 +598,13 @@ def main() -> int:
         "--model-dir", help="write the model here, or read it when it is there already (default: the work folder)"
     )
     p.add_argument("--skip-generated", action="store_true", help=argparse.SUPPRESS)  # earlier runs' commands
+    p.add_argument(
+        "--mlx-cache-limit-gb",
+        type=float,
+        default=None,
+        help="cap every server's MLX buffer cache (mx.set_cache_limit, through a sitecustomize on its path): "
+        "three 8B servers each keeping freed buffers outgrow an 80 GB card",
+    )
     p.add_argument("--note", default="", help="a sentence on this run kept in the result (the machine, say)")
     p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = p.parse_args()
@@ -630,13 +637,18 @@ def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
         mx.clear_cache()
         print(f"model written in {time.perf_counter() - started:.1f} s: {profile['note']}", flush=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    vllm_pythonpath = args.vllm_mlx_pythonpath
+    if args.mlx_cache_limit_gb is not None:
+        capped = mlx_cache_cap(work, int(args.mlx_cache_limit_gb * GiB))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [capped, env.get("PYTHONPATH", "")]))
+        vllm_pythonpath = os.pathsep.join(filter(None, [capped, vllm_pythonpath]))
     if args.profile == "cpu" and Path(OPENBLAS_HINT).exists():
         env["LD_PRELOAD"] = OPENBLAS_HINT  # every server: a fair float32 prefill
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
     vllm_python = args.vllm_mlx_python  # a path (made absolute: vllm-mlx runs in its own folder) or a command
     vllm_python = os.path.abspath(vllm_python) if os.sep in vllm_python else vllm_python
     skipped = {}
-    if VLLM_MLX in names and (why := vllm_missing(vllm_python, args.vllm_mlx_pythonpath)):
+    if VLLM_MLX in names and (why := vllm_missing(vllm_python, vllm_pythonpath)):
         print(f"vllm-mlx skipped: {why}", flush=True)
         skipped[VLLM_MLX] = why
         names.remove(VLLM_MLX)
@@ -650,7 +662,7 @@ def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
         work=work,
         serve_args=args.serve_args.split(),
         vllm_python=vllm_python if VLLM_MLX in names else None,
-        vllm_pythonpath=args.vllm_mlx_pythonpath,
+        vllm_pythonpath=vllm_pythonpath,
     )
     if args.warm_up_process:
         warm_up_process(base, profile)
@@ -699,6 +711,17 @@ def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
     return 0
 
 
+def mlx_cache_cap(work: Path, limit: int) -> str:
+    """A folder whose sitecustomize caps MLX's buffer cache at `limit` bytes in
+    every Python started with it on its path (each server, alike)."""
+    folder = work / "mlx-cache-cap"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        f"try:\n    import mlx.core as mx\n\n    mx.set_cache_limit({limit})\nexcept ImportError:\n    pass\n"
+    )
+    return str(folder)
+
+
 def earlier(out_path: str, args) -> dict:
     """The result file's runs to add to (--merge): the same benchmark and profile, else none."""
     path = Path(out_path) if Path(out_path).is_absolute() else Path(__file__).resolve().parents[2] / out_path
@@ -714,6 +737,7 @@ def earlier(out_path: str, args) -> dict:
 def command(args) -> str:
     flags = [f"--profile {args.profile}", f"--workload {args.workload}", f"--runs {args.runs}"]
     flags += ["--drop-page-cache"] if args.drop_page_cache else []
+    flags += [f"--mlx-cache-limit-gb {args.mlx_cache_limit_gb:g}"] if args.mlx_cache_limit_gb is not None else []
     flags += [f"--serve-args '{args.serve_args}'"] if args.serve_args else []
     flags += [f"--servers '{args.servers}'"] if args.servers != ",".join(SERVERS) else []
     return "python tools/bench/bench_serve.py " + " ".join(flags)
