@@ -117,6 +117,9 @@ QUESTIONS = [
     "What should a visitor see first?",
 ]
 SETTLE_S = 2.0  # before a stop: spills written through land, as they would on a server at rest
+# Between two rounds of a server that runs alone (--one-at-a-time), its users read
+# the answers: side by side, the other servers' rounds stand there (seconds).
+READ_S = 2.0
 
 
 def text_of(tokens: int, start: int) -> str:
@@ -178,6 +181,8 @@ class Run:
             self.round_diagnostics.setdefault(label, {})[name] = diag
             p50 = statistics.median(a["ttft_s"] for a in answers.values()) * 1e3
             print(f"  {label}: {name} TTFT p50 {p50:,.0f} ms", flush=True)
+        if len(self.servers) == 1:
+            time.sleep(READ_S)  # alone, no other server's round stands between two of its rounds
 
 
 def fire(server: Server, asks: list[tuple[int, list[dict]]], max_tokens: int, waves=None) -> dict[int, dict]:
@@ -321,11 +326,30 @@ def run_workload(workload: str, w: dict, base: Setup, names: list[str], args, ru
             "warm_prompts": warm_prompts(workload, w),
         }
     )
+    k = run_no % len(names)  # who starts first rotates too
+    if args.one_at_a_time:
+        # Each server alone on the machine, in turn: the same requests, its own run.
+        out = merged([run_servers(workload, w, setup, [name], args) for name in names[k:] + names[:k]])
+    else:
+        out = run_servers(workload, w, setup, names[k:] + names[:k], args)
+    if workload == "pressure" and w.get("check_replies", True):
+        out["full_prefill"] = compare_with_full_prefill(out["rows"], setup)
+    for r in out["rows"]:
+        r.pop("messages", None)
+    if not args.keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def run_servers(workload: str, w: dict, setup: Setup, names: list[str], args) -> dict:
+    """`workload` through the servers `names` (in this order at their first round), side by side."""
+    if len(names) == 1:
+        setup = Setup(**{**setup.__dict__, "work": setup.work / names[0].replace(" ", "-")})
+        setup.work.mkdir(parents=True)
     servers = {name: build(name, setup) for name in names}
     started = time.perf_counter()
-    k = run_no % len(names)  # who starts first rotates too
     together = not args.drop_page_cache
-    start_all([servers[name] for name in names[k:] + names[:k]], together)
+    start_all(list(servers.values()), together)
     run = Run(servers)
     restarts: dict[str, dict] = {}
 
@@ -358,14 +382,33 @@ def run_workload(workload: str, w: dict, base: Setup, names: list[str], args, ru
         "restarts": restarts,
         "promptstore_log": promptstore_log(log_lines(servers[PROMPTSTORE])) if PROMPTSTORE in servers else None,
         "vllm_mlx_log": vllm_log(log_lines(servers[VLLM_MLX])) if VLLM_MLX in servers else None,
-        "disk_bytes": {name: du(work / d) for name, d in DISK.items() if name.split(" (")[0] in servers},
+        "disk_bytes": {name: du(setup.work / d) for name, d in DISK.items() if name.split(" (")[0] in servers},
     }
-    if workload == "pressure" and w.get("check_replies", True):
-        out["full_prefill"] = compare_with_full_prefill(run.rows, setup)
-    for r in run.rows:
-        r.pop("messages", None)
-    if not args.keep_work:
-        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def merged(parts: list[dict]) -> dict:
+    """Runs of one workload by one server each, as one run of them all."""
+    out = {
+        "wall_s": sum(p["wall_s"] for p in parts),
+        "rounds": parts[0]["rounds"],
+        "rows": [r for p in parts for r in p["rows"]],
+        "round_diagnostics": {},
+        "restarts": {},
+        "one_at_a_time": True,
+        "disk_bytes": {},
+    }
+    for p in parts:
+        for label, by_server in p["round_diagnostics"].items():
+            out["round_diagnostics"].setdefault(label, {}).update(by_server)
+        for how, figures in p["restarts"].items():
+            out["restarts"].setdefault(how, {}).update(figures)
+        out["disk_bytes"] |= p["disk_bytes"]
+        for key in ("promptstore_log", "vllm_mlx_log"):
+            if p.get(key) is not None:
+                out[key] = p[key]
+    out.setdefault("promptstore_log", None)
+    out.setdefault("vllm_mlx_log", None)
     return out
 
 
@@ -599,6 +642,12 @@ def main() -> int:
     )
     p.add_argument("--skip-generated", action="store_true", help=argparse.SUPPRESS)  # earlier runs' commands
     p.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="each server runs the workload alone on the machine, in turn (where the servers' memory together "
+        "outgrows it: three 8B servers on an 80 GB card), instead of side by side, round by round",
+    )
+    p.add_argument(
         "--mlx-cache-limit-gb",
         type=float,
         default=None,
@@ -737,6 +786,7 @@ def earlier(out_path: str, args) -> dict:
 def command(args) -> str:
     flags = [f"--profile {args.profile}", f"--workload {args.workload}", f"--runs {args.runs}"]
     flags += ["--drop-page-cache"] if args.drop_page_cache else []
+    flags += ["--one-at-a-time"] if args.one_at_a_time else []
     flags += [f"--mlx-cache-limit-gb {args.mlx_cache_limit_gb:g}"] if args.mlx_cache_limit_gb is not None else []
     flags += [f"--serve-args '{args.serve_args}'"] if args.serve_args else []
     flags += [f"--servers '{args.servers}'"] if args.servers != ",".join(SERVERS) else []
