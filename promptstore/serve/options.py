@@ -19,6 +19,21 @@ from ..errors import ServeConfigError
 from .arrivals import GATHER_S
 from .door import DEFAULT_MAX_BODY_BYTES
 
+# --prefill-step-size's default. On 2 CPU cores (the demo's llama, float32,
+# OpenBLAS) a 1,048-token prefill on 1,028 stored tokens took 704 ms in steps of
+# 2,048 and 567 in steps of 256; 4,096 tokens from none 3,813 and 2,599 ms; a
+# batch of three 280-token prompts 293 and 294 (tools/bench/probe_prefill_step.py,
+# bench-results/prefill-step-cpu.json). On a GPU a step is bound by compute.
+CPU_PREFILL_STEP, GPU_PREFILL_STEP = 256, 2048
+
+
+def prefill_step(given: int | None) -> int:
+    """--prefill-step-size as given, else the default for the device MLX runs on."""
+    if given is not None:
+        return given
+    return CPU_PREFILL_STEP if mx.default_device() == mx.cpu else GPU_PREFILL_STEP
+
+
 # Settings the server does not use (mlx-lm's --prefill-step-size drives prefill).
 UNUSED_SETTINGS = ("prefill_step",)
 # A server is stopped and killed by deployments, and runs on laptops whose SSDs
@@ -80,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         "  promptstore serve --model demo-model --api-keys keys.json"
     )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    for action in parser._actions:
+        if action.dest == "prefill_step_size":
+            action.default = prefill_step(None)
+            action.help = (
+                f"tokens per prefill step (default: {CPU_PREFILL_STEP} on CPU, where attention over a long "
+                f"prompt in smaller steps stays in cache, {GPU_PREFILL_STEP} elsewhere, as mlx_lm.server's)"
+            )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error at start")
     group = parser.add_argument_group("promptstore")
     _add_options(group)
