@@ -20,11 +20,13 @@ from .arrivals import GATHER_S
 from .door import DEFAULT_MAX_BODY_BYTES
 
 # --prefill-step-size's default. On 2 CPU cores (the demo's llama, float32,
-# OpenBLAS) a 1,048-token prefill on 1,028 stored tokens took 704 ms in steps of
-# 2,048 and 567 in steps of 256; 4,096 tokens from none 3,813 and 2,599 ms; a
-# batch of three 280-token prompts 293 and 294 (tools/bench/probe_prefill_step.py,
-# bench-results/prefill-step-cpu.json). On a GPU a step is bound by compute.
-CPU_PREFILL_STEP, GPU_PREFILL_STEP = 256, 2048
+# OpenBLAS; tools/bench/probe_prefill_step.py, bench-results/prefill-step-cpu.json)
+# a 1,048-token prefill on 1,028 stored tokens took 704 ms in steps of 2,048, 634
+# in steps of 512 and 567 in steps of 256; 4,096 fresh tokens 3,813, 2,913 and
+# 2,599 ms. 256 split the chat's 259-token segments into a step of 256 and one
+# of 3, and the first round of bench_serve's chat took 30 ms longer; 512 keeps
+# such segments whole. On a GPU a step is bound by compute: mlx_lm.server's.
+CPU_PREFILL_STEP, GPU_PREFILL_STEP = 512, 2048
 
 
 def prefill_step(given: int | None) -> int:

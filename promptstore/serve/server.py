@@ -655,10 +655,10 @@ COMPLETIONS = {
 MAX_TOKENS_UNKNOWN_CONTEXT = 1 << 20  # the most max_tokens may ask of a model that states no context
 REPLY_CHUNK_CPU = 8  # tokens of a reply's prefill between the points where it gives way to a request
 # How long the generation thread has had nothing to serve before it starts a
-# finished request's insert: in bench_serve's chat, the other users' new
-# conversations came a few ms after the first user's reply and waited 6-16 ms
-# behind the chunk of its insert under way.
-IDLE_GRACE_S = 0.02
+# finished request's insert. In bench_serve's chat, the other users' new
+# conversations, sent once the first user's reply was read, waited 6-16 ms
+# behind the chunk of its insert under way, and still 4-20 ms with 20 ms here.
+IDLE_GRACE_S = 0.05
 
 
 class _Answered(BaseException):

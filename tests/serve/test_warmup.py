@@ -28,13 +28,13 @@ def test_attention_kernels_on_cuda_are_mlx_own_unless_the_operator_chose(monkeyp
         assert env == {"MLX_CUDA_USE_CUDNN_SDPA": value}
 
 
-@pytest.mark.parametrize("device,default", [(mx.cpu, 256), (mx.gpu, 2048)])
+@pytest.mark.parametrize("device,default", [(mx.cpu, 512), (mx.gpu, 2048)])
 def test_the_prefill_step_defaults_to_the_devices_unless_given(monkeypatch, device, default):
     """Smaller steps on CPU (attention in cache: tools/bench/probe_prefill_step.py),
     mlx_lm.server's 2,048 elsewhere; an operator's own always wins."""
     monkeypatch.setattr(mx, "default_device", lambda: device)
     parse = lambda *flags: build_parser().parse_args(["--model", "m", *flags]).prefill_step_size  # noqa: E731
-    assert (parse(), parse("--prefill-step-size", "512")) == (default, 512)
+    assert (parse(), parse("--prefill-step-size", "300")) == (default, 300)
 
 
 def _maps(tmp_path, *paths) -> str:
