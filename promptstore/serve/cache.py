@@ -300,7 +300,7 @@ class StoreCache:
         first where a layer's state there is had only now). A finished request's
         insert (its reply, rendered as the next turn will send it, which costs
         a prefill) waits for `run_background`: when the generation thread has
-        had no request to take for a moment (server.IDLE_GRACE_S), or no request in its batch still waits for its
+        no request to take, or no request in its batch still waits for its
         first token. The next turn of that conversation, when it comes first,
         runs it before its fetch (`replies_before_fetch`); without that, it
         prefills the reply in its own batch and stores it with its prompt, and

@@ -212,7 +212,6 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         self.restarts: list[float] = []  # when the generation loop was started again (monotonic)
         self.gave_up: str | None = None  # why generation stopped for good (the server then exits non-zero)
         self._closing: float | None = None  # when stop_and_join asked the generation thread to close
-        self._idle_since: float | None = None  # since when the generation thread has had nothing to serve
         self.closed_inserts: tuple[int, list[str]] | None = None  # (stored, not stored) at the close
         super().__init__(provider, cache)
         # Spills pause while a request waits for its first token (at most a second each).
@@ -392,17 +391,9 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         cache.run_deferred()  # before the loop takes a request or waits for one
         if timeout is not None and cache.has_background and self._idle() and not self._request_waiting():
             # Nothing in the batch and nothing to take: a finished request's insert,
-            # then mlx-lm's loop comes back here (a request that came meanwhile goes
-            # first). Not before the thread has been idle IDLE_GRACE_S: requests
-            # sent as a reply ends (another user's, an agent's next call) find it free.
-            now = time.monotonic()
-            if self._idle_since is None:
-                self._idle_since = now
-            if now < self._idle_since + IDLE_GRACE_S:
-                return super()._next_request(min(timeout, self._idle_since + IDLE_GRACE_S - now))
+            # then mlx-lm's loop comes back here (a request that came meanwhile goes first).
             cache.run_background(1, until=self._request_waiting)
             return None
-        self._idle_since = None
         return super()._next_request(timeout)
 
     def _request_waiting(self) -> bool:
@@ -654,11 +645,6 @@ COMPLETIONS = {
 }
 MAX_TOKENS_UNKNOWN_CONTEXT = 1 << 20  # the most max_tokens may ask of a model that states no context
 REPLY_CHUNK_CPU = 8  # tokens of a reply's prefill between the points where it gives way to a request
-# How long the generation thread has had nothing to serve before it starts a
-# finished request's insert. In bench_serve's chat, the other users' new
-# conversations, sent once the first user's reply was read, waited 6-16 ms
-# behind the chunk of its insert under way, and still 4-20 ms with 20 ms here.
-IDLE_GRACE_S = 0.05
 
 
 class _Answered(BaseException):

@@ -170,48 +170,18 @@ class WaitingInserts:
         return False
 
 
-def idle_generator(waiting: WaitingInserts):
-    """A generation loop's request side alone, as the store's inserts see it."""
-    from promptstore.serve.server import StoreResponseGenerator
-
-    gen = StoreResponseGenerator.__new__(StoreResponseGenerator)
-    gen.requests, gen.arrivals, gen._is_distributed, gen._closing = Queue(), Arrivals(bound=0.05), False, None
-    gen._idle_since, gen.store_cache = None, waiting
-    return gen
-
-
-def test_a_finished_requests_insert_waits_until_the_thread_was_idle_a_moment(monkeypatch):
-    """A request sent as a reply ends finds the thread free: the insert starts
-    only once nothing came for IDLE_GRACE_S, and a request meanwhile goes first."""
-    from promptstore.serve import server
-
-    monkeypatch.setattr(server, "IDLE_GRACE_S", 0.2)
-    gen = idle_generator(WaitingInserts(2))
-    started = time.monotonic()
-    assert gen._next_request(timeout=0.1) is None and gen.store_cache.waiting == 2  # waited, ran nothing
-    threading.Timer(0.02, gen.requests.put, args=("a next request",)).start()
-    assert gen._next_request(timeout=0.1) == "a next request"  # taken at once, not after an insert
-    assert gen.store_cache.waiting == 2 and time.monotonic() - started < 0.2
-    assert gen._next_request(timeout=None) is None  # its batch runs: mlx-lm's loop asks without a wait
-    idle = time.monotonic()  # the batch ended: idle from now
-    while gen.store_cache.waiting == 2 and time.monotonic() - idle < 5:
-        gen._next_request(timeout=0.1)
-    assert gen.store_cache.waiting == 1 and time.monotonic() - idle >= 0.2
-
-
 @pytest.mark.parametrize("replies_first,chunk", [(True, None), (False, None), (True, 16)])
-def test_while_requests_are_checked_the_idle_generation_thread_stores_waiting_replies(
-    monkeypatch, replies_first, chunk
-):
+def test_while_requests_are_checked_the_idle_generation_thread_stores_waiting_replies(replies_first, chunk):
     """With nothing queued, a waiting insert runs (one per call) while a burst's
     requests are still being checked when their next turns store their replies
     first anyway (a GPU's reply is one forward); otherwise, and where inserts run
     in short chunks (CPU: the request being checked may be a new conversation's,
     which must not wait behind another's reply), the thread waits for the check."""
-    from promptstore.serve import server
+    from promptstore.serve.server import StoreResponseGenerator
 
-    monkeypatch.setattr(server, "IDLE_GRACE_S", 0.0)  # the thread has been idle long enough
-    gen = idle_generator(WaitingInserts(2, replies_first, chunk))
+    gen = StoreResponseGenerator.__new__(StoreResponseGenerator)
+    gen.requests, gen.arrivals, gen._is_distributed, gen._closing = Queue(), Arrivals(bound=0.05), False, None
+    gen.store_cache = WaitingInserts(2, replies_first, chunk)
     overlaps = replies_first and chunk is None
     with gen.arrivals.checking() as token:  # a request being checked, not yet queued
         assert gen._next_request(timeout=0.01) is None
