@@ -29,10 +29,8 @@ from .door import DEFAULT_MAX_BODY_BYTES
 CPU_PREFILL_STEP, GPU_PREFILL_STEP = 512, 2048
 
 
-def prefill_step(given: int | None) -> int:
-    """--prefill-step-size as given, else the default for the device MLX runs on."""
-    if given is not None:
-        return given
+def default_prefill_step() -> int:
+    """--prefill-step-size's default for the device MLX runs on."""
     return CPU_PREFILL_STEP if mx.default_device() == mx.cpu else GPU_PREFILL_STEP
 
 
@@ -99,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     for action in parser._actions:
         if action.dest == "prefill_step_size":
-            action.default = prefill_step(None)
+            action.default = default_prefill_step()
             action.help = (
                 f"tokens per prefill step (default: {CPU_PREFILL_STEP} on CPU, where attention over a long "
                 f"prompt in smaller steps stays in cache, {GPU_PREFILL_STEP} elsewhere, as mlx_lm.server's)"
