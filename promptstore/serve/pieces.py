@@ -13,11 +13,14 @@ kept (least recently used out first) and only the new pieces are tokenized.
 Pieces are kept per tenant (`scope`): how fast one tenant's text is tokenized
 never says whether another tenant sent it.
 
-Whether a tokenizer behaves so is checked, not assumed: on a sample of texts
-when the model loads, then on the first requests' texts. Until that many have
-agreed, a text is tokenized whole (what the request uses) and piece by piece on
-a thread of its own, out of the request's way; any difference turns pieces off
-for good (with a warning), and every text is tokenized whole again.
+Whether a tokenizer behaves so is checked, not assumed: when the model loads,
+on a sample of texts joined by its special tokens and on a sample conversation
+rendered by its own chat template; then on the first requests' texts. Until
+that many have agreed, a text is tokenized whole (what the request uses) and
+piece by piece on a thread of its own, which waits while a request waits for
+its first token (`busy`: on two cores, tokenizing beside a prefill delays it);
+any difference turns pieces off for good (with a warning), and every text is
+tokenized whole again.
 """
 
 from __future__ import annotations
@@ -25,13 +28,17 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from .replies import plain_special_tokens
 
 log = logging.getLogger("promptstore.serve")
 
-CHECKED_REQUESTS = 8  # texts that must agree both ways (after the sample) before pieces are used
+CHECKED_REQUESTS = 4  # texts that must agree both ways (after the samples) before pieces are used
+CHECK_WAIT_S = 1.0  # the longest a text's check waits for no request to be waiting for its first token
+CHECK_POLL_S = 0.005
 KEPT_PIECES = 1024
 KEPT_CHARS = 32 << 20
 SMALL_PIECE = 64  # pieces shorter than this are tokenized, not kept (a role name, a newline)
@@ -52,8 +59,9 @@ class Pieces:
     """Tokens of rendered texts (`encode`), equal to `tokenizer.encode(text,
     add_special_tokens=False)`; thread-safe."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, busy: Callable[[], bool] | None = None):
         self.tokenizer = tokenizer
+        self.busy = busy  # while true, the checking thread waits (at most CHECK_WAIT_S a text)
         self._lock = threading.Lock()
         self._kept: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()  # (scope, piece): its tokens
         self._chars = 0
@@ -104,6 +112,7 @@ class Pieces:
                     self._checked.notify_all()
                     return
                 text, scope, whole = self._to_check[0]
+            self._give_way()
             try:
                 agrees = self._pieced(text, scope) == whole
             except Exception as e:  # a text the pieces cannot tokenize: tokenize whole
@@ -116,6 +125,15 @@ class Pieces:
                 else:
                     self.enabled = False
                     log.warning("prompts are tokenized whole from now on: a text tokenized piece by piece differed")
+
+    def _give_way(self) -> None:
+        """Wait while `busy()` says a request waits for its first token, at most CHECK_WAIT_S."""
+        end = time.monotonic() + CHECK_WAIT_S
+        try:
+            while self.busy is not None and self.busy() and time.monotonic() < end:
+                time.sleep(CHECK_POLL_S)
+        except Exception as e:  # a server closing under it: check now
+            log.debug("the pieces check did not wait: %s", e)
 
     def settle(self, timeout: float = 10.0) -> bool:
         """Wait until the texts handed to the checking thread are checked (tests, a
@@ -161,19 +179,42 @@ class Pieces:
         return tokens
 
     def _sample_agrees(self) -> bool:
-        """Whether texts joined by special tokens tokenize whole as piece by piece."""
-        specials = sorted(self._ids)
+        """Whether texts joined by special tokens, and a conversation rendered by
+        the tokenizer's chat template, tokenize whole as piece by piece."""
+        texts = self._split_samples()
         try:
-            for i, a in enumerate(SAMPLES):
-                for special in specials[:4]:
-                    b = SAMPLES[(i + 3) % len(SAMPLES)]
-                    text = a + special + b + special + a
-                    if self.whole(text) != self._split(text, self.whole):
-                        return False
+            texts += self._rendered_samples()
+            return all(self.whole(text) == self._split(text, self.whole) for text in texts)
         except Exception as e:  # a tokenizer this cannot read: tokenize whole
             log.debug("piecewise tokenizing not checked: %s", e)
             return False
-        return True
+
+    def _split_samples(self) -> list[str]:
+        """The sample texts joined by special tokens."""
+        specials = sorted(self._ids)
+        return [
+            a + special + SAMPLES[(i + 3) % len(SAMPLES)] + special + a
+            for i, a in enumerate(SAMPLES)
+            for special in specials[:4]
+        ]
+
+    def _rendered_samples(self) -> list[str]:
+        """The sample texts as a conversation in the tokenizer's chat template (none
+        without one, or where it renders no such conversation)."""
+        render = getattr(self.tokenizer, "apply_chat_template", None)
+        if render is None or not getattr(self.tokenizer, "chat_template", None):
+            return []
+        turns = [{"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(SAMPLES)]
+        out = []
+        for messages in ([{"role": "system", "content": "".join(SAMPLES)}, *turns], turns):
+            try:
+                text = render(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # a template that takes no system message, or asks for other roles
+                log.debug("the chat template did not render a sample: %s", e)
+                continue
+            if isinstance(text, str):
+                out.append(text)
+        return out
 
 
 class PieceTokenizer:

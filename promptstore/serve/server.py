@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty as QueueEmpty
@@ -93,6 +94,7 @@ class StoreModelProvider(mlx_server.ModelProvider):
         self.max_positions: int | None = None
         self.vocab_size: int | None = None
         self.ready = False  # the model loaded, attached and warmed up
+        self.busy: Callable[[], bool] = lambda: False  # a request waits for its first token (the generator's)
 
     def served(self, model: str | None, adapter: str | None, draft: str | None) -> bool:
         return (
@@ -124,7 +126,9 @@ class StoreModelProvider(mlx_server.ModelProvider):
         self.max_positions = getattr(args, "max_position_embeddings", None)
         vocab = [len(self.tokenizer._tokenizer), getattr(args, "vocab_size", None)]
         self.vocab_size = min(v for v in vocab if v)
-        self.pieces = Pieces(self.tokenizer)  # a chat's unchanged messages are not tokenized again
+        # A chat's unchanged messages are not tokenized again; the first texts are
+        # checked on a thread of their own, which waits while a request is busy.
+        self.pieces = Pieces(self.tokenizer, busy=lambda: self.busy())
         self.cache.attach(self.model, self.tokenizer, self.draft_model, self.model_key, self.cli_args.prefill_step_size)
         self.cache.pieces = self.pieces
         if self.cli_args.kernel_warm_up and self.draft_model is None:
@@ -214,8 +218,9 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         self._closing: float | None = None  # when stop_and_join asked the generation thread to close
         self.closed_inserts: tuple[int, list[str]] | None = None  # (stored, not stored) at the close
         super().__init__(provider, cache)
-        # Spills pause while a request waits for its first token (at most a second each).
+        # Spills, and the pieces check, pause while a request waits for its first token.
         cache.store.give_way(lambda: not self._quiet())
+        provider.busy = lambda: not self._quiet()
 
     @property
     def _time_budget(self):

@@ -3,9 +3,11 @@ seen lately kept: the same tokens as tokenizing the whole text, or whole texts."
 
 import random
 import threading
+import time
 
 import pytest
 
+from promptstore.serve import pieces as pieces_module
 from promptstore.serve.pieces import CHECKED_REQUESTS, Pieces, PieceTokenizer
 from promptstore.testing.tokenizer import CORPUS, SPECIAL, demo_tokenizer
 
@@ -71,16 +73,78 @@ def test_a_tokenizer_that_tokenizes_pieces_otherwise_is_tokenized_whole():
 
 
 class _Drifting:
-    """A tokenizer that agrees on short texts and, past 2,000 characters, marks a
-    text's start: what the sample cannot see, the first requests' check must."""
+    """A tokenizer that agrees on short texts and, past `past` characters, marks a
+    text's start: what the samples cannot see, the first requests' check must."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, past: int = 2000):
+        self.inner, self.past = inner, past
         self.added_tokens_decoder = inner._tokenizer.added_tokens_decoder
 
     def encode(self, text, add_special_tokens=False):
         tokens = self.inner.encode(text, add_special_tokens=add_special_tokens)
-        return ([0] if len(text) > 2000 else []) + tokens
+        return ([0] if len(text) > self.past else []) + tokens
+
+
+class _Templated(_Drifting):
+    """_Drifting with the inner tokenizer's chat template."""
+
+    def __init__(self, inner, past: int, render=None):
+        super().__init__(inner, past)
+        self.chat_template = inner.chat_template
+        self.apply_chat_template = render or inner.apply_chat_template
+
+
+def test_the_load_time_sample_renders_a_conversation_in_the_chat_template():
+    """The sample conversation, in the template's own special tokens, is longer
+    than any joined sample: a difference there turns pieces off before any request."""
+    tok = demo_tokenizer(1024)
+    longest = max(len(t) for t in Pieces(tok)._split_samples())
+    assert Pieces(_Drifting(tok, past=longest)).enabled  # no template: the joined samples agree
+    assert not Pieces(_Templated(tok, past=longest)).enabled
+    assert Pieces(_Templated(tok, past=100_000)).enabled
+
+
+def test_a_template_that_renders_no_sample_leaves_the_joined_samples_to_decide():
+    def refuse(messages, **kwargs):
+        raise ValueError("roles must alternate user/assistant/user/assistant/...")
+
+    tok = demo_tokenizer(1024)
+    assert Pieces(_Templated(tok, past=100_000, render=refuse)).enabled
+
+
+def test_the_check_waits_while_a_request_waits_for_its_first_token(monkeypatch):
+    """The checking thread tokenizes nothing while `busy()` (a prefill would wait
+    for it on two cores), and no longer than CHECK_WAIT_S a text."""
+    tok = demo_tokenizer(1024)
+    busy = threading.Event()
+    busy.set()
+    pieces = Pieces(tok, busy=busy.is_set)
+    text = tok.apply_chat_template(conversation(random.Random(5), 1), add_generation_prompt=True, tokenize=False)
+    assert pieces.encode(text) == tok.encode(text, add_special_tokens=False)
+    time.sleep(0.3)
+    assert pieces.counts["pieces_tokenized"] == 0 and pieces._agreed == 0
+    busy.clear()
+    assert pieces.settle()
+    assert pieces.counts["pieces_tokenized"] > 0 and pieces._agreed == 1
+
+    monkeypatch.setattr(pieces_module, "CHECK_WAIT_S", 0.2)
+    always = Pieces(tok, busy=lambda: True)
+    started = time.monotonic()
+    always.encode(text)
+    assert always.settle(timeout=5.0)  # checked all the same, once the wait was up
+    assert always._agreed == 1 and time.monotonic() - started >= 0.2
+
+
+def test_a_busy_signal_that_fails_does_not_stop_the_check():
+    def broken():
+        raise RuntimeError("the server is closing")
+
+    tok = demo_tokenizer(1024)
+    pieces = Pieces(tok, busy=broken)
+    text = tok.apply_chat_template(conversation(random.Random(6), 1), add_generation_prompt=True, tokenize=False)
+    pieces.encode(text)
+    assert pieces.settle()
+    assert pieces._agreed == 1
 
 
 def test_a_difference_in_the_first_requests_turns_pieces_off_for_good():
