@@ -205,6 +205,9 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         # On CPU a reply's prefill gives way to a request that came, every 8 tokens;
         # on a GPU one forward of the whole reply costs about what one of 8 tokens does.
         cache.reply_chunk = REPLY_CHUNK_CPU if mx.default_device() == mx.cpu else None
+        # There, a finished request's insert waits a moment: a request sent as a
+        # reply ends finds the thread free (on a GPU not measured with it: none).
+        cache.reply_grace = REPLY_GRACE_CPU_S if cache.reply_chunk else 0.0
         self.arrivals = Arrivals(bound=args.arrival_wait)
         self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
         self.metrics_access = MetricsAccess(args.metrics, getattr(args, "metrics_key", None), keyring)
@@ -382,7 +385,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         if cache.awaiting_first_token():
             return  # parts of prompts wait for the first tokens (a fetch runs them first)
         cache.run_deferred()
-        if cache.has_background and self._quiet():
+        if cache.has_background and self._quiet() and not cache.background_wait():
             # A finished request's, one a step, while the batch only decodes.
             cache.run_background(1, until=self._request_waiting)
 
@@ -396,7 +399,11 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         cache.run_deferred()  # before the loop takes a request or waits for one
         if timeout is not None and cache.has_background and self._idle() and not self._request_waiting():
             # Nothing in the batch and nothing to take: a finished request's insert,
-            # then mlx-lm's loop comes back here (a request that came meanwhile goes first).
+            # then mlx-lm's loop comes back here (a request that came meanwhile goes
+            # first); within its grace, the thread waits for a request until it ends.
+            wait = cache.background_wait()
+            if wait:
+                return super()._next_request(min(timeout, wait))
             cache.run_background(1, until=self._request_waiting)
             return None
         return super()._next_request(timeout)
@@ -650,6 +657,7 @@ COMPLETIONS = {
 }
 MAX_TOKENS_UNKNOWN_CONTEXT = 1 << 20  # the most max_tokens may ask of a model that states no context
 REPLY_CHUNK_CPU = 8  # tokens of a reply's prefill between the points where it gives way to a request
+REPLY_GRACE_CPU_S = 0.03  # on CPU, a finished request's insert begins no sooner than this after it ended
 
 
 class _Answered(BaseException):

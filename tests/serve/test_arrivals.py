@@ -160,6 +160,9 @@ class WaitingInserts:
     def has_background(self) -> bool:
         return self.waiting > 0
 
+    def background_wait(self) -> float:
+        return 0.0
+
     def run_deferred(self) -> None:
         pass
 
@@ -192,3 +195,36 @@ def test_while_requests_are_checked_the_idle_generation_thread_stores_waiting_re
     assert gen.store_cache.waiting == (1 if overlaps else 2)
     assert gen._next_request(timeout=0.01) is None  # nothing queued or checked: a waiting insert runs
     assert gen.store_cache.waiting == (0 if overlaps else 1)
+
+
+class GracedInserts(WaitingInserts):
+    """A finished request's insert within its grace (StoreCache.reply_grace)."""
+
+    def __init__(self, n: int, grace: float):
+        super().__init__(n, replies_before_fetch=True, reply_chunk=8)
+        self.ready_at = time.monotonic() + grace
+
+    def background_wait(self) -> float:
+        return max(0.0, self.ready_at - time.monotonic())
+
+
+def test_a_finished_requests_insert_waits_its_grace_and_a_request_sent_meanwhile_goes_first():
+    """Neither an idle generation thread nor a batch step begins a finished
+    request's insert within its grace: a request sent as the reply ended is
+    taken at once; the idle thread waits on the queue until the grace ends."""
+    from promptstore.serve.server import StoreResponseGenerator
+
+    gen = StoreResponseGenerator.__new__(StoreResponseGenerator)
+    gen.requests, gen.arrivals, gen._is_distributed, gen._closing = Queue(), Arrivals(bound=0.05), False, None
+    gen._stop = False
+    gen.store_cache = GracedInserts(1, grace=0.3)
+    gen._before_step()  # a step while the batch only decodes
+    assert gen.store_cache.waiting == 1
+    threading.Timer(0.05, gen.requests.put, args=["a request sent as the reply ended"]).start()
+    assert gen._next_request(timeout=1.0) == "a request sent as the reply ended"
+    assert gen.store_cache.waiting == 1  # not begun in front of it
+    assert gen._next_request(timeout=1.0) is None  # waits out the grace, on the queue
+    assert gen.store_cache.waiting == 1 and gen.store_cache.background_wait() < 0.05
+    time.sleep(gen.store_cache.background_wait())
+    assert gen._next_request(timeout=1.0) is None
+    assert gen.store_cache.waiting == 0  # the grace over, it ran

@@ -131,6 +131,29 @@ def test_prompt_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cac
     assert bob
 
 
+def test_a_finished_requests_insert_waits_its_grace_unless_its_next_turn_comes(cache):
+    """With a grace (CPU), a finished request's insert may not begin at once
+    (background_wait); its conversation's next turn runs it before its fetch all
+    the same, and the grace does not hold one already begun."""
+    cache.reply_grace = 5.0
+    prompt = list(range(10, 40))
+    reply = prompt + [9, 9, 9]
+    request, _ = cache.begin(ALICE, prompt, None, ())
+    cache.insert_cache(cache.model_key, reply, filled(cache, reply))
+    assert cache.has_background and 4.0 < cache.background_wait() <= 5.0
+    space = cache.spaces(ALICE)[0]
+    assert space.fetch(reply + [0]).length < len(reply)
+    cache.begin(ALICE, reply + [1], None, ())  # its next turn
+    assert not cache.has_background and space.fetch(reply + [0]).length == len(reply)
+    other = list(range(50, 80))
+    second, _ = cache.begin(ALICE, other, None, ())
+    cache.insert_cache(cache.model_key, other + [7], filled(cache, other + [7]))
+    cache._background[0].steps = iter(())  # begun, then paused
+    assert cache.background_wait() == 0.0
+    cache.reply_grace = 0.0
+    assert request and second
+
+
 def test_a_recurrent_models_earlier_part_is_stored_before_its_next_part_waits(tmp_path, model_dir):
     """A recurrent layer's state at a segment's end exists only then: the next
     part of the request runs the earlier one (it is not replaced), and both
