@@ -4,7 +4,9 @@ MLX only allocates the arrays: one block per GiB of a file, each array a view
 of its own aligned span. Each array's bytes are read with `pread` in chunks of
 a few MB on up to 16 threads, many arrays and files at once, hashed (xxh3-128,
 streaming) while the chunk is in the CPU's cache, and put where the model
-reads them:
+reads them. Small arrays that lie back to back in the file (a node of a few
+tokens holds tens of arrays of tens of KB) are read as one run, a chunk at
+most, in one task:
 
 - on CUDA, into one of the thread's two pinned staging buffers, then copied
   to the block in device memory asynchronously while the next chunk is read
@@ -32,6 +34,7 @@ import logging
 import math
 import os
 import threading
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -107,6 +110,9 @@ class _Placement:
     own aligned span of a block."""
 
     def allocate(self, specs: list[tuple[list[int], mx.Dtype]]) -> list[tuple[mx.array, object]]:
+        """Each array of `specs` (a view of its span of a block) and what its reads
+        write through; `self.placed` keeps the blocks and each array's (block,
+        offset, nbytes), for the read-back of where the bytes landed."""
         spans, sizes = [], [0]  # (block, offset, nbytes) of each array; each block's size
         for shape, dtype in specs:
             nbytes = math.prod(shape) * dtype.size
@@ -121,7 +127,14 @@ class _Placement:
             for (i, o, n), (shape, dtype) in zip(spans, specs)
         ]
         mx.eval(arrays)
+        self.placed = ([block for block, _ in made], spans)
         return [(a, self._target(made[i][1], o, n) if n else None) for a, (i, o, n) in zip(arrays, spans)]
+
+    def read_run(self, fill: Fill, offset: int, items: list[tuple[int, int, object]]) -> list[tuple[str, bytes]]:
+        """Arrays that lie back to back in the source, read in one task: `items` are
+        each one's (offset from `offset`, nbytes, where it goes); each one's digest
+        and ends, in order."""
+        return [self.read(fill, offset + at, nbytes, where) for at, nbytes, where in items]
 
     def _blocks(self, sizes: list[int]) -> list[tuple[mx.array, object]]:
         """Blocks of these sizes, each with what the reads write through (a view, an address)."""
@@ -231,6 +244,33 @@ class StagedCopies(_Placement):
                 buffer[3] = False
         return digest.hexdigest(), ends.value()
 
+    def read_run(self, fill: Fill, offset: int, items: list[tuple[int, int, int]]) -> list[tuple[str, bytes]]:
+        """The run read into one staging buffer at once, each array hashed and
+        copied on from its part of it: one read, one wait for the device, where
+        array by array a node of a few tokens (tens of arrays of tens of KB) cost
+        a task, a read and a wait each."""
+        buffers, size = self._buffers()
+        span = items[-1][0] + items[-1][1]
+        if span > size:  # buffers made at a smaller CHUNK
+            return super().read_run(fill, offset, items)
+        rt, buffer = self.runtime, buffers[0]
+        ptr, view, done, busy = buffer
+        out = []
+        try:
+            if busy:
+                rt.wait(done)
+                buffer[3] = False
+            fill(view[:span], offset)
+            for at, nbytes, address in items:
+                part, ends = view[at : at + nbytes], Ends()
+                ends.add(part)
+                out.append((xxhash.xxh3_128_hexdigest(part), ends.value()))
+                rt.copy_async(address, ptr + at, nbytes, done)
+        finally:
+            rt.sync()  # nothing of the run is in flight once it returns (or raises)
+            buffer[3] = False
+        return out
+
 
 def _address_kernel():
     """The block-and-address kernel (built once; None where it cannot be, logged)."""
@@ -277,32 +317,52 @@ class ArrayReads:
 
     def __init__(self, fill: Fill, tensors: dict, base: int, placing=None, done: Callable[[], None] | None = None):
         self.arrays: dict[str, mx.array] = {}
-        self._reads: dict[str, Future] = {}
+        self._reads: dict[str, tuple[Future, int | None]] = {}  # each array's read: alone, or its place in a run
+        self._placing = placing = placing if placing is not None else destination()
         # The source stays usable while this constructor or any read may use it.
         self._fill, self._done, self._users, self._lock = fill, done, 1, threading.Lock()
         try:
-            placing = placing if placing is not None else destination()
             names = sorted(tensors, key=lambda n: tensors[n]["data_offsets"][0])
             specs = [(tensors[n]["shape"], MLX_DTYPES[tensors[n]["dtype"]]) for n in names]
             pool = _read_pool()
+            run: list[tuple[str, int, int, object]] = []  # arrays back to back, CHUNK bytes at most together
             for name, (array, where) in zip(names, placing.allocate(specs)):
                 self.arrays[name] = array
                 begin, end = tensors[name]["data_offsets"]
-                if end > begin:
-                    self._submit(pool, name, placing.read, base + begin, end - begin, where)
+                if end <= begin:
+                    continue
+                if run and (begin != run[-1][1] + run[-1][2] or begin + (end - begin) - run[0][1] > CHUNK):
+                    self._submit_run(pool, run, base)
+                    run = []
+                if end - begin >= CHUNK:
+                    self._submit(pool, [name], placing.read, self._fill, base + begin, end - begin, where)
+                else:
+                    run.append((name, begin, end - begin, where))
+            self._submit_run(pool, run, base)
         finally:
             self._release()
 
-    def _submit(self, pool, name, read, offset, nbytes, where) -> None:
+    def _submit_run(self, pool, run: list[tuple[str, int, int, object]], base: int) -> None:
+        """Arrays of a few KB each (a node of a few tokens) read as one task, not one each."""
+        if len(run) == 1:
+            name, begin, nbytes, where = run[0]
+            self._submit(pool, [name], self._placing.read, self._fill, base + begin, nbytes, where)
+        elif run:
+            first = run[0][1]
+            items = [(begin - first, nbytes, where) for _, begin, nbytes, where in run]
+            self._submit(pool, [n for n, *_ in run], self._placing.read_run, self._fill, base + first, items)
+
+    def _submit(self, pool, names: list[str], read, *args) -> None:
         with self._lock:
             self._users += 1
         try:
-            future = pool.submit(read, self._fill, offset, nbytes, where)
+            future = pool.submit(read, *args)
         except BaseException:
             self._release()
             raise
         future.add_done_callback(lambda _: self._release())
-        self._reads[name] = future
+        for i, name in enumerate(names):
+            self._reads[name] = (future, i if len(names) > 1 else None)
 
     def _release(self) -> None:
         with self._lock:
@@ -314,14 +374,15 @@ class ArrayReads:
 
     def result(self) -> tuple[dict[str, mx.array], dict[str, str]]:
         digests, ends, error = {}, {}, None
-        for name, read in self._reads.items():
+        for name, (read, i) in self._reads.items():
             try:
-                digests[name], ends[name] = read.result()
+                got = read.result()
+                digests[name], ends[name] = got if i is None else got[i]
             except BaseException as e:  # every read is waited for before anything is raised
                 error = error or e
         if error is not None:
             raise error
-        _check_landed({name: self.arrays[name] for name in ends}, ends)
+        _check_landed(self._placing, list(self.arrays), ends)
         empty = xxhash.xxh3_128_hexdigest(b"")
         return self.arrays, {name: digests.get(name, empty) for name in self.arrays}
 
@@ -350,13 +411,38 @@ class LandedElsewhere(RuntimeError):
 failed: str | None = None  # set once copies are found to land elsewhere: this process reads through MLX
 
 
-def _check_landed(arrays: dict[str, mx.array], ends: dict[str, bytes]) -> None:
-    """Read back the first and last ENDS bytes of every array from where MLX keeps
-    it and compare them with what was read from the file."""
+def _check_landed(placing: _Placement, names: list[str], ends: dict[str, bytes]) -> None:
+    """Read back the first and last ENDS bytes of every array in `ends` from the
+    blocks MLX keeps them in (`names`: the arrays in the order allocate placed
+    them) and compare them with what was read from the source."""
     global failed
-    if not ends_match(arrays, ends):
+    blocks, spans = placing.placed
+    if not blocks_match(blocks, [spans[i] for i, name in enumerate(names) if name in ends], [*ends.values()]):
         failed = "bytes read back from the arrays differ from the file's"
         raise LandedElsewhere(failed)
+
+
+def blocks_match(blocks: list[mx.array], spans: list[tuple[int, int, int]], ends: list[bytes]) -> bool:
+    """Whether the first and last ENDS bytes of each (block, offset, nbytes) span
+    are the bytes given, in order: one gather from each block (one kernel where
+    slicing every array's two ends cost two slices and a join each), read by
+    the host from a new array."""
+    if not spans:
+        return True
+    positions: dict[int, list[np.ndarray]] = defaultdict(list)  # each block's byte positions to read back
+    filled: dict[int, int] = defaultdict(int)
+    order = []  # each span's (block, where its bytes start among that block's, how many)
+    for block, offset, nbytes in spans:
+        k = min(ENDS, nbytes)
+        where = np.r_[offset : offset + k, offset + nbytes - k : offset + nbytes]
+        order.append((block, filled[block], len(where)))
+        filled[block] += len(where)
+        positions[block].append(where)
+    taken = {b: mx.take(blocks[b], mx.array(np.concatenate(p).astype(np.uint32))) for b, p in positions.items()}
+    mx.eval(list(taken.values()))
+    host = {b: bytes(memoryview(t)) for b, t in taken.items()}
+    landed = b"".join(host[b][at : at + n] for b, at, n in order)
+    return landed == b"".join(ends)
 
 
 def ends_match(arrays: dict[str, mx.array], ends: dict[str, bytes]) -> bool:

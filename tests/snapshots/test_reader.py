@@ -182,6 +182,43 @@ def test_the_ends_read_back_match_for_every_chunking(written, monkeypatch):
         assert set(got) == set(arrays)
 
 
+@pytest.mark.parametrize("chunk", [40, 1000, 4 << 20])
+def test_staged_small_arrays_back_to_back_are_read_as_runs(written, monkeypatch, chunk):
+    """On CUDA (the runtime's copies made by the host here): the arrays under a
+    chunk that lie back to back are read in runs, one task and one wait each,
+    and land as a read array by array lands; an array of a chunk or more is
+    read alone, chunk by chunk."""
+    from .test_cold import HostCopies
+
+    path, arrays = written
+    monkeypatch.setattr(reader, "CHUNK", chunk)
+    monkeypatch.setattr(reader, "_staging", reader._Staging())  # this test's buffers, not the threads' kept ones
+    monkeypatch.setattr(reader, "_address_kernel", lambda: None)  # blocks the host can address, on CUDA too
+    rt, tasks = HostCopies(), []
+    placing = reader.StagedCopies(rt)
+    read, read_run = placing.read, placing.read_run
+    monkeypatch.setattr(placing, "read", lambda *a: tasks.append([a[2]]) or read(*a))
+    monkeypatch.setattr(placing, "read_run", lambda *a: tasks.append([n for _, n, _ in a[2]]) or read_run(*a))
+    fd = open_regular(path)
+    tensors, _, base = header_of_fd(fd)
+    got, digests = reader.FileRead(fd, tensors, base, placing).result()
+    for name, a in arrays.items():
+        assert mx.array_equal(got[name], a).item(), name
+        assert digests[name] == xxhash.xxh3_128_hexdigest(memoryview(mx.contiguous(a))), name
+    sizes = sorted((t["data_offsets"][1] - t["data_offsets"][0]) for t in tensors.values())
+    assert sorted(n for task in tasks for n in task) == [n for n in sizes if n]  # each array read once
+    for task in tasks:
+        assert len(task) == 1 or (sum(task) <= chunk and max(task) < chunk)  # a run: small arrays, a chunk at most
+    if chunk == 4 << 20:
+        assert len(tasks) == 1  # every array of this file in one run
+    else:
+        assert sorted(n for task in tasks if len(task) == 1 for n in task if n >= chunk) == [
+            n for n in sizes if n >= chunk
+        ]
+    assert rt.copies >= len(tasks)
+    assert _settled(path) == 0
+
+
 # --- a node file's bytes already in memory (a remote hit's blob) ----------------------------
 
 
