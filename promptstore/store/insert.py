@@ -332,6 +332,10 @@ class Inserter:
         lower half holds nothing until a prompt through it stores it again.
         """
         node = self._node(planned.split.key)
+        if node is not None and (node.start, node.end) != (planned.split.start, planned.split.end):
+            # Cut (or replaced) by another insert since the plan: its key now names another
+            # span, which may begin past the positions this cache holds.
+            raise _NodeChanged()
         snaps = self.tiers.get(node) if node is not None else None
         if snaps is None and (node is None or not lost_ok):
             return None, None, None  # another process may still spill it: try again
