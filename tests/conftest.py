@@ -76,6 +76,16 @@ def fresh_cache(model, kv_bits=None):
     return C.make_prompt_cache(model, kv_bits=kv_bits, kv_group_size=32 if kv_bits else 64)
 
 
+def assert_hit_whole(space, model, tokens: mx.array) -> None:
+    """`space` restores all but the last of `tokens`, and the last position's
+    logits from that restore equal a full prefill's (within 1e-4)."""
+    hit = space.fetch(tokens)
+    assert hit.length == len(tokens) - 1
+    want = forward(model, fresh_cache(model), tokens)
+    got = forward(model, hit.cache, tokens[hit.length :])
+    assert mx.abs(want - got).max().item() < 1e-4
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

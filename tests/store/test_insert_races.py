@@ -6,7 +6,7 @@ import mlx.core as mx
 from promptstore import PromptStore
 from promptstore.index import index as index_module
 
-from ..conftest import forward, fresh_cache, prompt_tokens
+from ..conftest import assert_hit_whole, forward, fresh_cache, prompt_tokens
 
 
 def _filled(model, tokens):
@@ -44,9 +44,5 @@ def test_a_node_cut_elsewhere_between_the_plan_and_the_split_is_planned_again(tm
         monkeypatch.undo()
         assert [n.end for n in store.index.lookup(space.namespace, b).path] == [54]  # the cut is a node end
         for tokens in (a, b, c):
-            hit = space.fetch(tokens)
-            assert hit.length == len(tokens) - 1
-            want = forward(model, fresh_cache(model), tokens)
-            got = forward(model, hit.cache, tokens[hit.length :])
-            assert mx.abs(want - got).max().item() < 1e-4
+            assert_hit_whole(space, model, tokens)
         assert not store.tiers.reports

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from promptstore import PromptStore
 
-from ..conftest import forward, fresh_cache
+from ..conftest import assert_hit_whole
 
 WORKER = Path(__file__).with_name("_two_process_worker.py")
 
@@ -34,10 +34,5 @@ def test_two_processes_insert_and_fetch_at_once(tmp_path, model_of):
         base = mx.random.randint(0, 256, (48,), key=mx.random.key(100))
         for seed in (1, 2):
             tail = mx.random.randint(0, 256, (16,), key=mx.random.key(seed * 1000))
-            tokens = mx.concatenate([base, tail])
-            hit = space.fetch(tokens)
-            assert hit.length == len(tokens) - 1
-            want = forward(model, fresh_cache(model), tokens)
-            got = forward(model, hit.cache, tokens[hit.length :])
-            assert mx.abs(want - got).max().item() < 1e-4
+            assert_hit_whole(space, model, mx.concatenate([base, tail]))
         assert not store.tiers.reports
