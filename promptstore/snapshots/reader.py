@@ -112,7 +112,8 @@ class _Placement:
     def allocate(self, specs: list[tuple[list[int], mx.Dtype]]) -> list[tuple[mx.array, object]]:
         """Each array of `specs` (a view of its span of a block) and what its reads
         write through; `self.placed` keeps the blocks and each array's (block,
-        offset, nbytes), for the read-back of where the bytes landed."""
+        offset, nbytes), for the read-back of where the bytes landed (so a
+        placement serves one file: `destination()` makes one for each)."""
         spans, sizes = [], [0]  # (block, offset, nbytes) of each array; each block's size
         for shape, dtype in specs:
             nbytes = math.prod(shape) * dtype.size
@@ -331,7 +332,7 @@ class ArrayReads:
                 begin, end = tensors[name]["data_offsets"]
                 if end <= begin:
                     continue
-                if run and (begin != run[-1][1] + run[-1][2] or begin + (end - begin) - run[0][1] > CHUNK):
+                if run and (begin != run[-1][1] + run[-1][2] or end - run[0][1] > CHUNK):
                     self._submit_run(pool, run, base)
                     run = []
                 if end - begin >= CHUNK:
@@ -417,7 +418,8 @@ def _check_landed(placing: _Placement, names: list[str], ends: dict[str, bytes])
     them) and compare them with what was read from the source."""
     global failed
     blocks, spans = placing.placed
-    if not blocks_match(blocks, [spans[i] for i, name in enumerate(names) if name in ends], [*ends.values()]):
+    read = [(spans[i], ends[name]) for i, name in enumerate(names) if name in ends]
+    if not blocks_match(blocks, [span for span, _ in read], [end for _, end in read]):
         failed = "bytes read back from the arrays differ from the file's"
         raise LandedElsewhere(failed)
 
