@@ -6,7 +6,9 @@ stored reply, each new message), each a file of its own. This stores one
 ~4.2k-token conversation three ways (one node; a 4,096-token node and 2 or 4
 small ones), opens the store afresh before each fetch (nothing in memory, the
 page cache warm, MLX's buffer cache emptied as mlx-lm empties it after each
-prefill step), and times each fetch whole and in phases: starting the reads
+prefill step; and the five nodes once more with the small ones held in memory,
+the large one read from disk, as a third visit in promptstore serve's
+memory-pressure run finds them), and times each fetch whole and in phases: starting the reads
 (the arrays' allocation included), finishing them (the reads, checksums and
 the read-back of each array's ends), and the restore (joining the nodes'
 arrays). Then the first token of the 18 tokens past the hit through mlx-lm's
@@ -95,11 +97,19 @@ def first_token(model, cache, tokens: list[int], start: int) -> float:
     return seconds
 
 
-def one_fetch(path: Path, model, tokens: list[int], end: int) -> dict:
-    PHASES.clear()
+def one_fetch(path: Path, model, tokens: list[int], end: int, hot_bytes: int | None = None) -> dict:
+    """A fetch from the store opened afresh. hot_bytes: a memory budget under the
+    large node's size, and a fetch before the timed one, so the small nodes are
+    held in memory and the large one is read from disk (a conversation's third
+    visit in promptstore serve's memory-pressure run)."""
     mx.clear_cache()
-    store = PromptStore.open(path, warm_start=False, hot_bytes=2 << 30, cold_plan="load")
+    store = PromptStore.open(path, warm_start=False, hot_bytes=hot_bytes or 2 << 30, cold_plan="load")
     space = store.bind(model, model_id="probe")
+    if hot_bytes:
+        space.fetch(tokens[: end + 18])
+        gc.collect()
+        mx.clear_cache()
+    PHASES.clear()
     started = time.perf_counter()
     hit = space.fetch(tokens[: end + 18])
     mx.eval([c.state for c in hit.cache])
@@ -137,22 +147,27 @@ def main() -> None:
     timed(cold.PendingLoad, "_verify", "verify")
     layouts = {"1 node": [4096 + sum(extra)], "3 nodes": [4096, *extra[:2]], "5 nodes": [4096, *extra]}
     work = Path(tempfile.mkdtemp(prefix="probe-cold-path-"))
-    ends = {}
-    for name, pieces in layouts.items():
-        ends[name] = build(work / name.replace(" ", "-"), model, tokens, pieces, prof.prefill_step)
+    folders = {name: work / name.replace(" ", "-") for name in layouts}
+    ends = {name: build(folders[name], model, tokens, pieces, prof.prefill_step) for name, pieces in layouts.items()}
+    kv_per_token = 2 * prof.layers * prof.kv_heads * prof.head_dim * getattr(mx, prof.dtype).size
+    budgets = dict.fromkeys(layouts)
+    layouts["5 nodes, the small ones in memory"] = layouts["5 nodes"]  # the same store, read another way
+    folders[last := "5 nodes, the small ones in memory"], ends[last] = folders["5 nodes"], ends["5 nodes"]
+    budgets[last] = 4096 * kv_per_token // 2
     for name in layouts:  # a first fetch of each: kernels compiled, files in the page cache
-        one_fetch(work / name.replace(" ", "-"), model, tokens, ends[name])
+        one_fetch(folders[name], model, tokens, ends[name], budgets[name])
     rows = defaultdict(list)
     for i in range(args.runs):
         order = list(layouts) if i % 2 == 0 else list(reversed(layouts))
         for name in order:
-            rows[name].append(one_fetch(work / name.replace(" ", "-"), model, tokens, ends[name]))
+            rows[name].append(one_fetch(folders[name], model, tokens, ends[name], budgets[name]))
     out = {"profile": args.profile, "device": describe_device(), "runs": dict(rows), "medians": {}}
     for name, got in rows.items():
         keys = [k for k in got[0] if k.endswith("_ms")]
         med = {k: round(statistics.median(r.get(k, 0.0) for r in got), 2) for k in keys}
         out["medians"][name] = med | {"cold_nodes": got[0]["cold_nodes"], "tokens": ends[name]}
-        print(f"{name} ({ends[name]} tokens): " + ", ".join(f"{k} {v}" for k, v in med.items()), flush=True)
+        read = f"{got[0]['cold_nodes']} of {got[0]['nodes']} nodes from disk"
+        print(f"{name} ({ends[name]} tokens, {read}): " + ", ".join(f"{k} {v}" for k, v in med.items()), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 
