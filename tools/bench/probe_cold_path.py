@@ -17,7 +17,8 @@ BatchGenerator, as promptstore serve runs it. Variants alternate; medians.
     python3 tools/bench/probe_cold_path.py --profile cuda
     LD_PRELOAD=...openblas... .venv/bin/python tools/bench/probe_cold_path.py --profile cpu
 
-It times and asserts nothing; figures go to stdout and --out.
+It times; it checks only that each fetch restores the whole hit. Figures go to
+stdout and --out.
 """
 
 from __future__ import annotations
