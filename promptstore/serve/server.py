@@ -222,8 +222,8 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         self.closed_inserts: tuple[int, list[str]] | None = None  # (stored, not stored) at the close
         super().__init__(provider, cache)
         # Spills, and the pieces check, pause while a request waits for its first token.
-        cache.store.give_way(lambda: not self._quiet())
         provider.busy = lambda: not self._quiet()
+        cache.store.give_way(provider.busy)
 
     @property
     def _time_budget(self):

@@ -8,6 +8,7 @@ directory is on sys.path when it is run as a file).
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import importlib.metadata as _md
 import json
 import os
@@ -100,6 +101,22 @@ def timed(
             samples.append(dt)
             faults.append(minor_faults() - f0)
     return summarize(samples, faults)
+
+
+def time_calls(owner: Any, name: str, label: str, into: dict[str, list[float]]) -> None:
+    """Replace `owner.name` (a method or a module's function) with a wrapper that
+    appends each call's seconds to `into[label]`, whether the call returns or raises."""
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.setdefault(label, []).append(time.perf_counter() - started)
+
+    setattr(owner, name, run)
 
 
 def _provider(symbol: str) -> str | None:

@@ -37,7 +37,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cold import PROFILES, build_model  # noqa: E402
-from common import describe_device  # noqa: E402
+from common import describe_device, time_calls  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from mlx_lm.generate import BatchGenerator  # noqa: E402
@@ -48,20 +48,6 @@ from promptstore.snapshots import cold, reader  # noqa: E402
 from promptstore.store import restore, tiers  # noqa: E402
 
 PHASES: dict[str, list[float]] = defaultdict(list)
-
-
-def timed(owner, name: str, label: str) -> None:
-    """Record each call's seconds under `label` in PHASES."""
-    original = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            PHASES[label].append(time.perf_counter() - started)
-
-    setattr(owner, name, wrapper)
 
 
 def prefill(model, tokens: list[int], step: int):
@@ -139,13 +125,13 @@ def main() -> None:
     mx.random.seed(0)
     extra = [18, 40, 18, 40]
     tokens = [int(t) for t in mx.random.randint(0, prof.vocab, (4096 + sum(extra) + 64,)).tolist()]
-    timed(tiers.Tiers, "start_path", "start")
-    timed(tiers.Tiers, "finish_path", "finish")
-    timed(restore.Restorer, "restore_path", "restore")
-    timed(restore.Restorer, "_load", "load")
-    timed(reader._Placement, "allocate", "allocate")
-    timed(reader, "_check_landed", "landed")
-    timed(cold.PendingLoad, "_verify", "verify")
+    time_calls(tiers.Tiers, "start_path", "start", PHASES)
+    time_calls(tiers.Tiers, "finish_path", "finish", PHASES)
+    time_calls(restore.Restorer, "restore_path", "restore", PHASES)
+    time_calls(restore.Restorer, "_load", "load", PHASES)
+    time_calls(reader._Placement, "allocate", "allocate", PHASES)
+    time_calls(reader, "_check_landed", "landed", PHASES)
+    time_calls(cold.PendingLoad, "_verify", "verify", PHASES)
     layouts = {"1 node": [4096 + sum(extra)], "3 nodes": [4096, *extra[:2]], "5 nodes": [4096, *extra]}
     work = Path(tempfile.mkdtemp(prefix="probe-cold-path-"))
     folders = {name: work / name.replace(" ", "-") for name in layouts}

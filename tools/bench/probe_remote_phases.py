@@ -17,12 +17,10 @@ placement). It asserts the check and times the rest; medians are printed.
 from __future__ import annotations
 
 import collections
-import functools
 import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,6 +29,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_remote as br  # noqa: E402
+from common import time_calls  # noqa: E402
 
 from promptstore.caches import make_prompt_cache, snapshot_prompt_cache  # noqa: E402
 from promptstore.identity import NodeId  # noqa: E402
@@ -90,20 +89,8 @@ def main() -> int:
     if (why := missing()) is not None:
         raise SystemExit(why)
     times: dict[str, list[float]] = collections.defaultdict(list)
-
-    def timed(fn, label):
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                times[label].append(time.perf_counter() - started)
-
-        return run
-
     for owner, name, label in STAGES:
-        setattr(owner, name, timed(getattr(owner, name), label))
+        time_calls(owner, name, label, times)
     tmp = Path(tempfile.mkdtemp(prefix="promptstore-phases-"))
     try:
         check(tmp)
