@@ -481,11 +481,8 @@ class Tiers:
 
     def get(self, node: Node) -> list[Snapshot] | None:
         """The node's snapshots from memory or a verified file; None is a miss."""
-        held = self._held(node)
-        if held is not None:
-            return held
-        pending = self._start_load(node)
-        return None if pending is None else self._finish_load(node, pending)
+        node, found = self._find(node)
+        return found if not isinstance(found, PendingLoad) else self._finish_load(node, found)
 
     def get_path(self, nodes: Sequence[Node]) -> tuple[list[list[Snapshot]], list[Node]]:
         """The snapshots of `nodes`, in order up to the first miss, and the nodes
@@ -498,11 +495,9 @@ class Tiers:
         cannot be read); the caller may work meanwhile, then calls finish_path."""
         found = []  # (node, its snapshots, or the load of its file); each node looked up once
         for node in nodes:
-            held = self._held(node)
+            node, held = self._find(node)
             if held is None:
-                held = self._start_load(node)
-                if held is None:
-                    break  # a miss: nothing after it is used
+                break  # a miss: nothing after it is used
             found.append((node, held))
         return found
 
@@ -544,6 +539,31 @@ class Tiers:
                     return job.snapshots
         return None
 
+    def _find(self, node: Node) -> tuple[Node, object]:
+        """The node's snapshots if held here, else the load of its file started, else
+        None; with the node as last read. A spill published since `node` was read
+        from the index no longer serves it from `pending`, and only the record as
+        it is now names its file: the node is then looked for once more as that."""
+        found = self._held(node)
+        if found is None:
+            found = self._start_load(node)
+        if found is None and (now := self._republished(node)) is not None:
+            node, found = now, self._held(now)
+            if found is None:
+                found = self._start_load(now)
+        return node, found
+
+    def _republished(self, node: Node) -> Node | None:
+        """The node as the index has it now, when the record names a file `node`'s
+        did not (a spill published, or the file replaced, since); None otherwise."""
+        try:
+            now = self.index.get(node.key)
+            if now is None or now.id != node.id or not now.record.file:
+                return None
+            return now if now.record.file != node.record.file else None
+        except PromptStoreError:
+            return None  # a bad record is the first read's to report
+
     def _start_load(self, node: Node):
         """The node's file being read: one already under way (a warm start's, another
         fetch's) or a new one; None without a file."""
@@ -562,13 +582,19 @@ class Tiers:
             self.loading[node.key] = (node.id, record.file, pending)
             return pending
 
-    def _finish_load(self, node: Node, pending) -> list[Snapshot] | None:
+    def _finish_load(self, node: Node, pending, retry: bool = True) -> list[Snapshot] | None:
         """The verified snapshots of a load; whoever finishes it first reports a bad
-        file or keeps the snapshots in memory."""
+        file or keeps the snapshots in memory. A file gone because the record names
+        another now is read as that (once: `retry`), not reported."""
         try:
             snapshots = pending.result()
         except ColdFileError as e:
-            if self._first_to_finish(node, pending):
+            first = self._first_to_finish(node, pending)
+            now = self._republished(node) if e.reason == "missing" and retry else None
+            if now is not None:  # the file was replaced (and removed) since `node` was read
+                now, found = self._find(now)
+                return found if not isinstance(found, PendingLoad) else self._finish_load(now, found, retry=False)
+            if first:
                 self._bad_file(node, e)
             return None
         if not self._first_to_finish(node, pending):
