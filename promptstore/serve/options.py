@@ -13,11 +13,13 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
+from pydantic import ByteSize, TypeAdapter
 
 from ..config import ENV_PREFIX, Settings
 from ..errors import ServeConfigError
 from .arrivals import GATHER_S
 from .door import DEFAULT_MAX_BODY_BYTES
+from .heap import DEFAULT_RESERVE
 
 # --prefill-step-size's default. On 2 CPU cores (the demo's llama, float32,
 # OpenBLAS; tools/bench/probe_prefill_step.py, bench-results/prefill-step-cpu.json)
@@ -179,6 +181,15 @@ def _add_options(group) -> None:
         "takes a few seconds at start on a GPU)",
     )
     group.add_argument(
+        "--heap-reserve",
+        type=_byte_size,
+        default=DEFAULT_RESERVE,
+        metavar="SIZE",
+        help="on MLX's CPU backend (with glibc): the freed heap the process keeps for the model's next arrays, "
+        "touched once while starting, so requests do not fault memory back in a page at a time (default: "
+        f"{DEFAULT_RESERVE >> 20}MiB; 0 leaves the C library's settings as they are; serve/heap.py)",
+    )
+    group.add_argument(
         "--warm-start-first",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -275,6 +286,19 @@ def accelerator_hot_bytes() -> int | None:
     info = mx.device_info()
     total = info.get("total_memory") or info.get("memory_size")  # CUDA, Metal
     return int(total) // 4 if isinstance(total, int) and total > 0 else None
+
+
+_SIZE = TypeAdapter(ByteSize)
+
+
+def _byte_size(text: str) -> int:
+    try:
+        value = int(_SIZE.validate_python(text.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512MiB or 536870912)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size of at least 0 bytes")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -35,6 +35,7 @@ from .apis.exchange import failure
 from .arrivals import ArrivalBudget, Arrivals
 from .cache import StoreCache, split_segments
 from .door import drain, read_body
+from .heap import keep_heap
 from .metrics import HitFigures, MetricsAccess, ServeMetrics, load_metrics_key
 from .options import build_parser, store_settings
 from .pieces import Pieces, PieceTokenizer
@@ -131,6 +132,9 @@ class StoreModelProvider(mlx_server.ModelProvider):
         self.pieces = Pieces(self.tokenizer, busy=lambda: self.busy())
         self.cache.attach(self.model, self.tokenizer, self.draft_model, self.model_key, self.cli_args.prefill_step_size)
         self.cache.pieces = self.pieces
+        kept = keep_heap(self.cli_args.heap_reserve)  # before the warm-up, whose arrays it then holds
+        if kept is not None:
+            log.info("heap: %d MiB kept for the model's arrays, touched in %.2f s", kept[0] >> 20, kept[1])
         if self.cli_args.kernel_warm_up and self.draft_model is None:
             self._warm_up()
         prompts = getattr(self.cli_args, "warm_prompt_list", None)

@@ -195,6 +195,7 @@ def test_the_kernel_warm_up_runs_before_the_server_is_healthy_and_stores_nothing
     log = server.log()
     assert "kernel warm-up: a batch of 4 in" in log, log[-3000:]
     assert ("GPU runtime libraries" in log) == device.CUDA  # on by default, and nothing to read on CPU
+    assert ("heap: 512 MiB kept for the model's arrays" in log) == (mx.default_device() == mx.cpu)  # serve/heap.py
     assert server.stop() == 0
     assert list((server.store / "cold").rglob("*.safetensors")) == []  # nothing of it was stored
 
