@@ -9,11 +9,14 @@ tokens came back as 16."""
 
 import threading
 
+import mlx.core as mx
+
 from promptstore import PromptStore
 from promptstore.index import index as index_module
 from promptstore.snapshots.writer import SpillJob
 
-from ..conftest import assert_hit_whole, forward, fresh_cache, prompt_tokens
+from ..conftest import _model, assert_hit_whole, forward, fresh_cache, insert_following_checkpoints, prompt_tokens
+from .test_hybrid_checkpoints import STEP, A, diverging
 
 
 def _filled(model, tokens):
@@ -86,4 +89,38 @@ def test_a_file_replaced_between_the_lookup_and_the_read_is_read_as_replaced(tmp
         assert (hit.length, hit.cold_nodes) == (len(a) - 1, 1)
         monkeypatch.undo()
         assert_hit_whole(space, model, a)
+        assert not store.tiers.reports
+
+
+def test_the_hybrid_hit_that_failed_in_ci_restores_whole_when_the_spills_land_after_the_lookup(tmp_path, monkeypatch):
+    """test_hybrid_checkpoints' last fetch, with the race made certain: a falcon_h1
+    store whose spills (the checkpoint at 24 filled in again, the branch point at
+    29) are published between the fetch's lookup and its reads. It restored 16
+    tokens of 29 before."""
+    model = _model("falcon_h1")
+    with PromptStore.open(tmp_path, prefill_step=STEP) as store:
+        space = store.bind(model, model_id="m")
+        insert_following_checkpoints(space, model, A)
+        assert space.fetch(diverging(21, seed=82)).length == 16  # the state at 16 is used, so kept
+    with PromptStore.open(tmp_path, prefill_step=STEP, hot_bytes=0) as store:
+        space = store.bind(model, model_id="m")
+        real_write, gate = store.tiers.cold.write, threading.Event()
+
+        def write_when_let(node, snapshots):
+            assert gate.wait(30), "the test never let the spills go"
+            return real_write(node, snapshots)
+
+        monkeypatch.setattr(store.tiers.cold, "write", write_when_let)
+        insert_following_checkpoints(space, model, diverging(29, seed=83))
+
+        def publish():
+            gate.set()
+            store.tiers.writer.flush()
+
+        done = _after_lookup(monkeypatch, publish)
+        tokens = diverging(30, seed=84)
+        hit = space.fetch(tokens)
+        assert done and hit.length == 29
+        got = forward(model, hit.cache, tokens[hit.length :])
+        assert mx.abs(got - forward(model, fresh_cache(model), tokens)).max().item() < 1e-4
         assert not store.tiers.reports
