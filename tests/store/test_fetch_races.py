@@ -40,26 +40,33 @@ def _after_lookup(monkeypatch, then):
     return done
 
 
+def _spills_held(store, monkeypatch):
+    """The store's writer holds every spill until the returned `publish()`, which
+    lets them go and waits until they are published."""
+    real_write, gate = store.tiers.cold.write, threading.Event()
+
+    def write_when_let(node, snapshots):
+        assert gate.wait(30), "the test never let the spills go"
+        return real_write(node, snapshots)
+
+    monkeypatch.setattr(store.tiers.cold, "write", write_when_let)
+
+    def publish():
+        gate.set()
+        store.tiers.writer.flush()
+
+    return publish
+
+
 def test_a_spill_published_between_the_lookup_and_the_read_is_read_from_its_file(tmp_path, model_of, monkeypatch):
     model = model_of("llama")
     a = prompt_tokens(40, seed=1)
     with PromptStore.open(tmp_path, hot_bytes=0) as store:  # every node leaves memory for the writer at once
         space = store.bind(model, model_id="m")
-        real_write, gate = store.tiers.cold.write, threading.Event()
-
-        def write_when_let(node, snapshots):
-            assert gate.wait(30), "the test never let the spill go"
-            return real_write(node, snapshots)
-
-        monkeypatch.setattr(store.tiers.cold, "write", write_when_let)
+        publish = _spills_held(store, monkeypatch)
         space.insert(a, _filled(model, a))
         [node] = store.index.lookup(space.namespace, a).path
         assert node.record.file is None and store.tiers.is_held(node)  # queued, not yet on disk
-
-        def publish():
-            gate.set()
-            store.tiers.writer.flush()
-
         done = _after_lookup(monkeypatch, publish)
         hit = space.fetch(a)
         assert done and (hit.length, hit.cold_nodes) == (len(a) - 1, 1)  # the job had gone: read from the file
@@ -104,19 +111,8 @@ def test_the_hybrid_hit_that_failed_in_ci_restores_whole_when_the_spills_land_af
         assert space.fetch(diverging(21, seed=82)).length == 16  # the state at 16 is used, so kept
     with PromptStore.open(tmp_path, prefill_step=STEP, hot_bytes=0) as store:
         space = store.bind(model, model_id="m")
-        real_write, gate = store.tiers.cold.write, threading.Event()
-
-        def write_when_let(node, snapshots):
-            assert gate.wait(30), "the test never let the spills go"
-            return real_write(node, snapshots)
-
-        monkeypatch.setattr(store.tiers.cold, "write", write_when_let)
+        publish = _spills_held(store, monkeypatch)
         insert_following_checkpoints(space, model, diverging(29, seed=83))
-
-        def publish():
-            gate.set()
-            store.tiers.writer.flush()
-
         done = _after_lookup(monkeypatch, publish)
         tokens = diverging(30, seed=84)
         hit = space.fetch(tokens)
