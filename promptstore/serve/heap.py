@@ -2,8 +2,9 @@
 first request.
 
 On the CPU backend every array MLX makes is a `malloc` of its own, and MLX keeps
-no freed buffers for reuse (its GPU allocators do). glibc gives freed memory
-back to the kernel past its thresholds: the free top of a heap past
+freed buffers for reuse only up to its cache limit (mx.set_cache_limit), 32 MiB
+by default there. glibc gives freed memory back to the kernel past its
+thresholds: the free top of a heap past
 M_TRIM_THRESHOLD, a thread's heap once it is wholly free, any block past
 M_MMAP_THRESHOLD (which rises only as such blocks are freed). The next prefill's
 arrays then fault it back a page at a time, each page zeroed by the kernel,
