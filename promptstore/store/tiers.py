@@ -481,8 +481,11 @@ class Tiers:
 
     def get(self, node: Node) -> list[Snapshot] | None:
         """The node's snapshots from memory or a verified file; None is a miss."""
+        return self._get(node)
+
+    def _get(self, node: Node, retry: bool = True) -> list[Snapshot] | None:
         node, found = self._find(node)
-        return found if not isinstance(found, PendingLoad) else self._finish_load(node, found)
+        return found if not isinstance(found, PendingLoad) else self._finish_load(node, found, retry)
 
     def get_path(self, nodes: Sequence[Node]) -> tuple[list[list[Snapshot]], list[Node]]:
         """The snapshots of `nodes`, in order up to the first miss, and the nodes
@@ -592,8 +595,7 @@ class Tiers:
             first = self._first_to_finish(node, pending)
             now = self._republished(node) if e.reason == "missing" and retry else None
             if now is not None:  # the file was replaced (and removed) since `node` was read
-                now, found = self._find(now)
-                return found if not isinstance(found, PendingLoad) else self._finish_load(now, found, retry=False)
+                return self._get(now, retry=False)
             if first:
                 self._bad_file(node, e)
             return None
