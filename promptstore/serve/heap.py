@@ -76,15 +76,17 @@ def keep_heap(reserve: int) -> tuple[int, float] | None:
     ):
         log.warning("the C library refused the heap settings: the heap is left as it is")
         return None
-    blocks = []
+    blocks, touched = [], 0
     try:
-        for _ in range(max(1, reserve // TOUCH_BLOCK)):
-            block = libc.malloc(TOUCH_BLOCK)
+        while touched < reserve:
+            size = min(TOUCH_BLOCK, reserve - touched)
+            block = libc.malloc(size)
             if not block:
                 break
-            ctypes.memset(block, 0, TOUCH_BLOCK)
+            ctypes.memset(block, 0, size)
             blocks.append(block)
+            touched += size
     finally:
         for block in blocks:
             libc.free(block)
-    return len(blocks) * TOUCH_BLOCK, time.perf_counter() - started
+    return touched, time.perf_counter() - started
