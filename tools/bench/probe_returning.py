@@ -119,8 +119,7 @@ def forward(model, cache, new: list[int]) -> float:
     if len(new) > 1:
         model(mx.array(new[:-1])[None], cache=own)
         mx.eval([c.state for c in own])
-    token = mx.argmax(model(mx.array(new[-1:])[None], cache=own)[0, -1]).item()
-    assert token >= 0
+    mx.argmax(model(mx.array(new[-1:])[None], cache=own)[0, -1]).item()  # the first token, on the host
     return time.perf_counter() - started
 
 
