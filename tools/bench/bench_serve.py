@@ -18,7 +18,12 @@ the one that goes first rotating, so each sees the same machine load.
 - single: one conversation alone, hot, several rounds: what one agent sees.
 
 Each workload runs --runs times on fresh servers and folders; a round's
-figure is the median over runs of its TTFT p50 over users. Prints the tables
+figure is the median over runs of its TTFT p50 over users. Before servers
+start, the machine's dirty pages are written back (os.sync): with
+--one-at-a-time, one server's writes (vllm-mlx's SSD tier wrote ~40 GB in the
+cuda profile's memory-pressure run) are not still going to disk while the
+next server is timed; the pages pending and the seconds taken are kept in each
+run's `settled`. Prints the tables
 and the goals; writes bench-results/serve-<profile>.json and renders its
 section of docs/benchmarks.md (tools/bench/serve_docs.py).
 """
@@ -37,7 +42,15 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from common import OPENBLAS_HINT, blas_info, blas_warning, describe_device, drop_page_cache, write_results
+from common import (
+    OPENBLAS_HINT,
+    blas_info,
+    blas_warning,
+    describe_device,
+    drop_page_cache,
+    write_back,
+    write_results,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -347,6 +360,7 @@ def run_servers(workload: str, w: dict, setup: Setup, names: list[str], args) ->
         setup = Setup(**{**setup.__dict__, "work": setup.work / names[0].replace(" ", "-")})
         setup.work.mkdir(parents=True)
     servers = {name: build(name, setup) for name in names}
+    settled = write_back()  # no earlier server's (or the model's) writes still going to disk while these run
     started = time.perf_counter()
     together = not args.drop_page_cache
     start_all(list(servers.values()), together)
@@ -383,6 +397,7 @@ def run_servers(workload: str, w: dict, setup: Setup, names: list[str], args) ->
         "promptstore_log": promptstore_log(log_lines(servers[PROMPTSTORE])) if PROMPTSTORE in servers else None,
         "vllm_mlx_log": vllm_log(log_lines(servers[VLLM_MLX])) if VLLM_MLX in servers else None,
         "disk_bytes": {name: du(setup.work / d) for name, d in DISK.items() if name.split(" (")[0] in servers},
+        "settled": {name: settled for name in names},
     }
     return out
 
@@ -397,8 +412,10 @@ def merged(parts: list[dict]) -> dict:
         "restarts": {},
         "one_at_a_time": True,
         "disk_bytes": {},
+        "settled": {},
     }
     for p in parts:
+        out["settled"] |= p.get("settled", {})
         for label, by_server in p["round_diagnostics"].items():
             out["round_diagnostics"].setdefault(label, {}).update(by_server)
         for how, figures in p["restarts"].items():

@@ -239,6 +239,21 @@ def drop_page_cache() -> bool:
         return False
 
 
+def write_back() -> dict:
+    """Write the machine's dirty pages back to disk (os.sync, which returns once
+    they are written): what was pending (/proc/meminfo's Dirty and Writeback,
+    where it can be read) and the seconds it took."""
+    pending = None
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        pending = sum(int(fields[k].split()[0]) * 1024 for k in ("Dirty", "Writeback"))
+    except (OSError, KeyError, ValueError):
+        pass
+    started = time.perf_counter()
+    os.sync()
+    return {"dirty_bytes": pending, "sync_s": round(time.perf_counter() - started, 3)}
+
+
 def evict_files(files: list[Path]) -> None:
     """Write these files back and evict their pages alone (no root needed)."""
     for path in files:
