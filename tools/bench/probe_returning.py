@@ -2,44 +2,44 @@
 
 promptstore serve's memory-pressure run (`bench_serve.py --workload pressure`)
 restores a returning conversation's ~4.1k tokens and prefills the rest (1 to
-~70 tokens) through mlx-lm's BatchGenerator. On an H100 that took 77-200 ms
-from the fetch to the first token where all but one token were restored in 35.
-This runs such requests in one process: 16 caches of 4,114-4,180 tokens with
-the exact-size arrays a hit gives, new parts of 1-68 tokens, the server's
-kernel warm-up first, variants alternating in blocks:
+~70 tokens) through mlx-lm's BatchGenerator. This runs such requests in one
+process: 16 caches of 4,114-4,180 tokens with the exact-size arrays a hit gives,
+new parts of 1-68 tokens, the server's kernel warm-up first and its attention
+kernels (MLX's own; `--cudnn` for cuDNN's), variants alternating in blocks:
 
-- `as served`: mlx-lm's BatchGenerator as promptstore serve runs it;
-- `pool keeps`: the same, CUDA's default memory pool (where MLX's device
-  arrays come from) told to keep what is freed (its release threshold at its
-  largest; set for these requests, 0 again after);
-- `no clear`: the same, mx.clear_cache a no-op (MLX keeps its freed buffers);
+- `as served`: mlx-lm's BatchGenerator as promptstore serve runs it (mlx-lm
+  empties MLX's buffer cache after every prompt chunk, as it ships);
+- `cache kept`: the same, mlx-lm's calls to mx.clear_cache made no-ops for
+  its generation module alone, MLX's cache limit at 8 GiB;
 - `forward`: the model's forward of the new tokens but the last, then of the
   last, without the BatchGenerator (the compute alone).
 
-Then two requests of 53 new tokens each of the first three ways, split: each of
+Then two requests of 53 new tokens each of the first two ways, split: each of
 mlx-lm's steps synchronised and timed (the merge into its batch, the prompt
 step, the split into a generation batch, its first decode step, MLX's buffer
 cache emptied). Llama-3.1-8B's shape, random bfloat16 weights.
 
     python3 tools/bench/probe_returning.py --out bench-results/probe-returning-cuda.json
 
-It times; it asserts nothing. What it found on an H100 (docs/serve.md, the
-memory-pressure paragraph; bench-results/archive/2026-11/probe-returning-cuda.*):
-the prompt step of a request's new tokens took 59-77 ms as served, 17-19 with
-MLX's buffers kept, 21-41 with the pool keeping; to the first token, medians
-over all lengths, 61, 55 and 52 ms, the compute alone 25; per length the ways
-crossed, four requests a cell.
+It times; it asserts nothing. On an H100 with MLX's own attention, to the
+first token (medians over all lengths): 57.0 ms as served, 57.1 with the cache
+kept, 37.3 for the forward alone (bench-results/archive/2026-11/probe-returning-cuda-own-attention.*).
+An earlier version, on cuDNN's attention (which builds a graph per new shape:
+the first requests of each shape paid it) and with a CUDA memory-pool setting
+since removed, found the prompt step at 59-77 ms as served and 17-19 with the
+cache kept (bench-results/archive/2026-11/probe-returning-cuda.*).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import importlib
+import os
 import statistics
 import sys
 import time
+import types
 from collections import defaultdict
 from pathlib import Path
 from unittest import mock
@@ -57,19 +57,28 @@ from promptstore.testing import tiny_model  # noqa: E402
 
 G = importlib.import_module("mlx_lm.generate")  # the module (the package exports a function of its name)
 
-POOL_RELEASE_THRESHOLD = 4  # cudaMemPoolAttrReleaseThreshold
 LENGTHS = [1, 19, 28, 53, 68, 23]  # new tokens past the hit, as pass 2 of the pressure run met them
-VARIANTS = ["as served", "pool keeps", "no clear", "forward"]
+VARIANTS = ["as served", "cache kept", "forward"]
+CACHE_LIMIT = 8 << 30
+
+
+class KeptCache(types.ModuleType):
+    """mlx.core as mlx-lm's generation module sees it for `cache kept`: clear_cache does nothing."""
+
+    def __init__(self, core):
+        super().__init__(core.__name__, core.__doc__)
+        self.__dict__["_core"] = core
+
+    def __getattr__(self, name: str):
+        return getattr(self._core, name)
+
+    @staticmethod
+    def clear_cache() -> None:
+        """MLX's allocator keeps its cache under the limit at every free."""
+
+
 CONVERSATIONS = 16
 SPLIT: dict[str, list[float]] = defaultdict(list)
-
-
-def pool_keeps(rt, nbytes: int) -> None:
-    """Set the release threshold of the device's default memory pool."""
-    pool, value = ctypes.c_void_p(), ctypes.c_uint64(nbytes)
-    rt.check(rt.lib.cudaDeviceGetDefaultMemPool(ctypes.byref(pool), rt.device.value), "cudaDeviceGetDefaultMemPool")
-    code = rt.lib.cudaMemPoolSetAttribute(pool, POOL_RELEASE_THRESHOLD, ctypes.byref(value))
-    rt.check(code, "cudaMemPoolSetAttribute")
 
 
 def restored(stored: int, seed: int, layers: int, kv_heads: int, head_dim: int) -> list[KVCache]:
@@ -162,7 +171,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=4, help="blocks of each variant (each block: every length once)")
     p.add_argument("--out", default="bench-results/probe-returning-cuda.json")
+    p.add_argument(
+        "--cudnn", action="store_true", help="cuDNN's attention kernels (MLX's default; the server's is MLX's own)"
+    )
     args = p.parse_args()
+    os.environ["MLX_CUDA_USE_CUDNN_SDPA"] = "1" if args.cudnn else "0"  # read at the first attention
     rt = device.runtime()
     if rt is None:
         print("this probe needs MLX's CUDA backend", file=sys.stderr)
@@ -181,15 +194,13 @@ def main() -> int:
         new = [1 + (c * 13 + i * 7) % (VOCAB - 1) for i in range(length)]
         if variant == "forward":
             return forward(model, caches[c], new)
-        if variant == "pool keeps":
-            pool_keeps(rt, 2**64 - 1)
+        if variant == "cache kept":
+            limit = mx.set_cache_limit(CACHE_LIMIT)
             try:
-                return served(model, caches[c], stored[c], new)
+                with mock.patch.object(G, "mx", KeptCache(mx)):
+                    return served(model, caches[c], stored[c], new)
             finally:
-                pool_keeps(rt, 0)
-        if variant == "no clear":
-            with mock.patch.object(mx, "clear_cache", lambda: None):
-                return served(model, caches[c], stored[c], new)
+                mx.set_cache_limit(limit)
         return served(model, caches[c], stored[c], new)
 
     i = 0
@@ -211,7 +222,7 @@ def main() -> int:
     for k, v in summary.items():
         print(f"  {k}: {v:.1f}")
     split = {}
-    for variant in VARIANTS[:3]:
+    for variant in VARIANTS[:2]:
         SPLIT.clear()
         patches = split_patches()
         for patch in patches:
@@ -230,6 +241,7 @@ def main() -> int:
             "benchmark": "probe_returning",
             "device": describe_device(),
             "model": "Llama-3.1-8B's shape, random bfloat16 weights, 1,024-token vocabulary",
+            "attention": "cuDNN's" if args.cudnn else "MLX's own",
             "lengths": LENGTHS,
             "rows": rows,
             "medians_ms": summary,
