@@ -22,7 +22,7 @@ cache emptied). Llama-3.1-8B's shape, random bfloat16 weights.
     python3 tools/bench/probe_returning.py --out bench-results/probe-returning-cuda.json
 
 It times; it asserts nothing. On an H100 with MLX's own attention, to the
-first token (medians over all lengths): 57.0 ms as served, 57.1 with the cache
+first token (medians over all lengths): 57.1 ms as served, 57.0 with the cache
 kept, 37.3 for the forward alone (bench-results/archive/2026-11/probe-returning-cuda-own-attention.*).
 An earlier version, on cuDNN's attention (which builds a graph per new shape:
 the first requests of each shape paid it) and with a CUDA memory-pool setting
