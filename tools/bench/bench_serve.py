@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -193,7 +194,7 @@ class Run:
                 diag |= {"storage_reads": {k: after[k] - before.get(k, 0) for k in after}, "health_before": health}
             self.round_diagnostics.setdefault(label, {})[name] = diag
             p50 = statistics.median(a["ttft_s"] for a in answers.values()) * 1e3
-            print(f"  {label}: {name} TTFT p50 {p50:,.0f} ms", flush=True)
+            print(f"  {label}: {name} TTFT p50 {p50:,.0f} ms{round_said(diag)}", flush=True)
         if len(self.servers) == 1:
             time.sleep(READ_S)  # alone, no other server's round stands between two of its rounds
 
@@ -217,6 +218,23 @@ def fire(server: Server, asks: list[tuple[int, list[dict]]], max_tokens: int, wa
         print(f"{server.name}'s log, last lines:\n{server.log_tail()}", file=sys.stderr)
         raise RuntimeError(f"{server.name}: a request failed")
     return out
+
+
+def round_said(diag: dict) -> str:
+    """promptstore serve's round from its log, for the progress line (a run cut
+    short still leaves it): restored share, tokens from disk and how, medians of
+    the fetch and of the rest to the first token."""
+    rows = diag.get("timelines")
+    if not rows:
+        return ""
+    plans = Counter(r["plan"] for r in rows if r["plan"])
+    how = f" ({', '.join(f'{k} x{n}' for k, n in plans.items())})" if plans else ""
+    said = f"; restored {diag['restored_share']:.0%}, {diag['from_disk_tokens']:,} tokens from disk{how}"
+    for phase in ("fetch_ms", "prefill_first_ms"):
+        values = [r[phase] for r in rows if phase in r]
+        if values:
+            said += f", {phase[:-3]} {statistics.median(values):,.0f} ms"
+    return said
 
 
 def log_window(server: Server, offset: int) -> dict:
@@ -296,7 +314,8 @@ def pressure(run: Run, w: dict) -> None:
         for name, server in run.servers.items():
             run.round_diagnostics.setdefault(label, {})[name] = log_window(server, offsets[name])
             p50 = statistics.median(r["ttft_s"] for r in run.rows if r["round"] == label and r["server"] == name)
-            print(f"  {label}: {name} TTFT p50 {p50 * 1e3:,.0f} ms", flush=True)
+            said = round_said(run.round_diagnostics[label][name])
+            print(f"  {label}: {name} TTFT p50 {p50 * 1e3:,.0f} ms{said}", flush=True)
 
 
 def single(run: Run, w: dict) -> None:
