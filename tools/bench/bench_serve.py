@@ -229,7 +229,8 @@ def round_said(diag: dict) -> str:
         return ""
     plans = Counter(r["plan"] for r in rows if r["plan"])
     how = f" ({', '.join(f'{k} x{n}' for k, n in plans.items())})" if plans else ""
-    said = f"; restored {diag['restored_share']:.0%}, {diag['from_disk_tokens']:,} tokens from disk{how}"
+    share = diag["restored_share"]
+    said = f"; restored {'-' if share is None else f'{share:.0%}'}, {diag['from_disk_tokens']:,} tokens from disk{how}"
     for phase in ("fetch_ms", "prefill_first_ms"):
         values = [r[phase] for r in rows if phase in r]
         if values:
