@@ -469,7 +469,9 @@ class ColdTier:
         for d in (self.root, self.files, self.quarantine_dir):
             d.mkdir(mode=dir_mode, parents=True, exist_ok=True)
         self.resolved = self.root.resolve()
-        device.prepare_staging()  # CUDA: what spills use is built before the first one
+        device.prepare_staging()  # CUDA: what spills and reads use is built before the first one
+        if parallel_reads():
+            reader.prepare()
 
     # --- naming ----------------------------------------------------------------
 

@@ -298,6 +298,20 @@ def _block_address_kernel():
     return kernel
 
 
+def prepare() -> None:
+    """CUDA: build what a read runs before the first read, which a request may
+    wait for: the block-and-address kernel (built in every process) and the
+    gather that checks a read's ends (compiled once per machine, then loaded
+    from MLX's disk cache). Built at a process's first read, they cost that
+    read 1.4-2.3 s on an H100, 4.0 s where the gather had never been compiled
+    (tools/bench/probe_first_read.py). Elsewhere nothing is built."""
+    if device.runtime() is None:
+        return
+    _address_kernel()
+    probe = mx.zeros((2 * ENDS,), mx.uint8)
+    blocks_match([probe], [(0, 0, 2 * ENDS)], [bytes(2 * ENDS)])
+
+
 def destination():
     """How this process places what it reads: staged copies on CUDA (when its
     runtime is reachable), else writes in place."""
