@@ -4,9 +4,9 @@ On CUDA a read from disk runs two kernels promptstore itself does not ship
 compiled: the one-thread kernel that makes each block and hands back its
 device address (`mx.fast.cuda_kernel`: built in every process, the kernel
 caches warm or not), and MLX's gather that reads a read's ends back to check
-them (compiled once per machine, then loaded from MLX's disk cache). Opening a cold tier now builds
-both (`snapshots/reader.py` `prepare`); before, the first read of each
-process did, inside whatever request made it.
+them (compiled once per machine, then loaded from MLX's disk cache). Opening
+a cold tier now builds both (`snapshots/reader.py` `prepare`); before, the
+first read of each process did, inside whatever request made it.
 
 Each variant runs in a fresh process of its own against one node file of a
 small bfloat16 llama written first: the cold tier opened, then the file read
@@ -79,7 +79,7 @@ def child(root: Path, what: str) -> dict:
         "equal": len(got) == len(snaps) and all(C.arrays_equal(a, b) for a, b in zip(got, snaps)),
         "built_at_open": sorted(at_open - before),
         "built_at_read": sorted(kernel_files() - at_open),
-        "reading_threads": reader.device.runtime() is not None,
+        "reading_threads": cold.parallel_reads(),
     }
 
 
