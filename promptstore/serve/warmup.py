@@ -14,11 +14,11 @@ the first time a process needs it and keeps it on disk for the next. A round
 after a SIGKILL, where some conversations had lost their last reply, was the
 first batch whose new tokens differed in length: it spent 8.5 s to the first
 token on two such compiles (the roll of a right-padded batch), on an H100
-where the round after took 0.4 s. So the warm-up's batch
-takes every path a round of a continuous-batching server takes: new tokens of
-different lengths (the batch is right-padded, then rolled back into place),
-answers of different lengths (the batch is filtered as each one ends), and a
-request that joins a batch already generating (extended into it).
+where the round after took 0.4 s. So the warm-up's batch takes every path a
+round of a continuous-batching server takes: new tokens of different lengths
+(the batch is right-padded, then rolled back into place), answers of
+different lengths (the batch is filtered as each one ends), and a request
+that joins a batch already generating (extended into it).
 """
 
 from __future__ import annotations
