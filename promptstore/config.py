@@ -43,7 +43,8 @@ class Settings(BaseModel):
         description="write_back: spill on eviction and close; write_through: queue every insert for disk; "
         "sync: insert returns once the node is on disk; admit: write a node once it is reused, once its "
         "conversation is idle (admit_idle_seconds), when memory evicts it and it is worth keeping, and at "
-        "close, never a one-off prompt nobody came back to (store/admission.py)",
+        "close every chat turn and conversation (insert(turn=True)); never a one-off prompt nobody came "
+        "back to (store/admission.py)",
     )
     admit_idle_seconds: float = Field(
         5.0,

@@ -450,17 +450,21 @@ class StoreCache:
         space = self._space_for(tenant, cache)
         within_prompt = any(len(tokens) <= len(o.prompt) for o in owners)
         kept = _kept(owners)
-        work = lambda: self._insert(space, reply_of, tokens, held, cache, kept)  # noqa: E731
+        turn = any(o.chat is not None for o in owners)  # a chat's: a client comes back to it
+        work = lambda: self._insert(space, reply_of, tokens, held, cache, kept, turn)  # noqa: E731
         ranged = all(getattr(c, "role", None) == "range" for c in cache)
         return work, within_prompt, frozenset(owners), ranged
 
-    def _insert(self, space: Space, reply_of, tokens: list[int], held: int, cache, kept=()) -> Iterator[None]:
-        """The insert's steps. kept: how long the owners asked to keep the tokens (_kept)."""
+    def _insert(
+        self, space: Space, reply_of, tokens: list[int], held: int, cache, kept=(), turn=False
+    ) -> Iterator[None]:
+        """The insert's steps. kept: how long the owners asked to keep the tokens (_kept);
+        turn: a chat request owns them (Space.insert)."""
         started = time.perf_counter()
         if reply_of is not None and self.reply_tokens == "rendered":
             stored, phases = yield from self._insert_rendered(space, reply_of, tokens, held, cache, kept)
         else:
-            stored, phases = space.insert(tokens[:held], cache, retention=_marks(kept, held)), {}
+            stored, phases = space.insert(tokens[:held], cache, retention=_marks(kept, held), turn=turn), {}
         phases.update(space.last_insert_phases())  # the store's part, phase by phase
         phases["total"] = time.perf_counter() - started
         log.info(
@@ -514,7 +518,7 @@ class StoreCache:
             space.retain(rendered, _marks(kept, len(rendered)))
             return 0, {"render": t1 - t0, "lookup": time.perf_counter() - t1}
         if len(rendered) < 2 or common == len(rendered) == len(tokens):
-            stored = space.insert(tokens, cache, retention=_marks(kept, len(tokens)))
+            stored = space.insert(tokens, cache, retention=_marks(kept, len(tokens)), turn=True)
             return stored, {"render": t1 - t0, "store": time.perf_counter() - t1}
         position = min(common, len(tokens))
         if position < len(tokens) and not C.restore_prompt_cache(cache, None, position):
@@ -530,7 +534,7 @@ class StoreCache:
             if lo + chunk < len(rendered):
                 yield  # a request that came meanwhile may go first (run_background's `until`)
         t2 = time.perf_counter()
-        stored = space.insert(rendered, cache, prefill_seconds=spent, retention=_marks(kept, len(rendered)))
+        stored = space.insert(rendered, cache, prefill_seconds=spent, retention=_marks(kept, len(rendered)), turn=True)
         self.counts["reply_tokens_prefilled"] += len(rendered) - position
         return stored, {"render": t1 - t0, "prefill": spent, "store": time.perf_counter() - t2}
 

@@ -40,7 +40,7 @@ def default_prefill_step() -> int:
 UNUSED_SETTINGS = ("prefill_step",)
 # A server is stopped and killed by deployments, and runs on laptops whose SSDs
 # are soldered in: unless told otherwise, write what is reused, a conversation
-# gone idle and, at a stop, every conversation; never a one-off prompt (the
+# gone idle and, at a stop, every chat turn and conversation; never a one-off prompt (the
 # store's own default keeps inserts in memory until eviction or close).
 # README's "What the store writes" has the measurements (tools/bench/bench_wear.py).
 SERVE_DURABILITY = "admit"

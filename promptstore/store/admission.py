@@ -2,8 +2,10 @@
 
 A node goes to disk once it is reused (a fetch restored through it, or two
 prompts share it), once its conversation is idle, when memory evicts it and it
-is worth keeping, and at close; a one-off prompt nobody came back to never
-does. `admit` is the one decision; a client's retention class (when the tiers
+is worth keeping, and at close whatever a client can come back to: every chat
+turn (the server marks them) and every conversation. A one-off prompt nobody
+came back to (a /v1/completions prompt) never does, unless memory evicts it and
+it costs `admit_prefill_seconds` or more to compute again. `admit` is the one decision; a client's retention class (when the tiers
 know one) overrides it first. A byte budget per hour makes the store write
 less, the least valuable first, and never makes a request wait.
 """
@@ -42,6 +44,8 @@ class Facts:
     conversation: it goes on from a node that was reused and that nothing else went on from
         (a conversation's next turn), or from another conversation node.
     idle_for: seconds since a prompt last went through or ended at it.
+    turn: a chat turn stored it (a prompt or reply of the chat APIs): a client
+        may come back to it, so a close writes it even before anyone has.
     """
 
     nbytes: int
@@ -50,6 +54,7 @@ class Facts:
     conversation: bool
     idle_for: float
     retention: RetentionClass | None = None
+    turn: bool = False
 
 
 def admit(event: Event, facts: Facts, now: float, settings: Settings) -> bool:
@@ -63,11 +68,16 @@ def admit(event: Event, facts: Facts, now: float, settings: Settings) -> bool:
             return True
     if facts.reused:
         return True
-    if event == "shutdown":
-        return facts.conversation
-    if event == "evicted":
-        return facts.conversation or facts.prefill_seconds >= settings.admit_prefill_seconds
-    return facts.conversation and facts.idle_for >= settings.admit_idle_seconds
+    if event == "tick":  # steady state: a first turn waits until someone comes back to it
+        return facts.conversation and facts.idle_for >= settings.admit_idle_seconds
+    # Leaving memory (evicted, or the process stopping): whatever a client can come
+    # back to. One write per stop of what memory holds is cheap; losing a chat's
+    # first turn at every restart is not. A prompt of /v1/completions nobody came
+    # back to is a one-off (a client that wants it kept asks for a retention class);
+    # memory evicting it writes it if it costs enough to compute again.
+    if facts.conversation or facts.turn:
+        return True
+    return event == "evicted" and facts.prefill_seconds >= settings.admit_prefill_seconds
 
 
 class WriteBudget:
@@ -99,14 +109,20 @@ class Admission:
         self.budget = WriteBudget(settings.disk_write_budget)
         self.reused: set[bytes] = set()
         self.conversation: set[bytes] = set()
+        self.turns: set[bytes] = set()  # nodes a chat turn stored
         self.active: dict[bytes, float] = {}  # key -> when a prompt last went through or ended at it
         self.lock = threading.Lock()
 
-    def placed(self, key: bytes, parent: bytes | None, only_child: Callable[[], bool], now: float) -> None:
+    def placed(
+        self, key: bytes, parent: bytes | None, only_child: Callable[[], bool], now: float, turn: bool = False
+    ) -> None:
         """A node was stored, going on from `parent`: a conversation node when the
-        parent is one, or when the parent was reused and this is its only child."""
+        parent is one, or when the parent was reused and this is its only child;
+        `turn`: a chat turn stored it."""
         with self.lock:
             self.active[key] = now
+            if turn:
+                self.turns.add(key)
             if parent is None:
                 return
             if parent in self.conversation or (parent in self.reused and only_child()):
@@ -128,6 +144,7 @@ class Admission:
                 key in self.conversation,
                 now - self.active.get(key, now),
                 retention,
+                key in self.turns,
             )
 
     def forget(self, keep: Callable[[bytes], bool]) -> None:
@@ -137,6 +154,7 @@ class Admission:
                 del self.active[key]
             self.reused = {k for k in self.reused if keep(k)}
             self.conversation = {k for k in self.conversation if keep(k)}
+            self.turns = {k for k in self.turns if keep(k)}
 
 
 class Ticker:

@@ -92,7 +92,7 @@ class Inserter:
         self._signatures: list | None = None
 
     def insert(
-        self, toks: np.ndarray, cache: Sequence[Any], prefill_seconds: float | None = None, retention=None
+        self, toks: np.ndarray, cache: Sequence[Any], prefill_seconds: float | None = None, retention=None, turn=False
     ) -> int:
         """Store what `cache` (holding exactly `toks`, token ids the namespace accepts)
         adds; returns new tokens stored. Where its time went is then
@@ -100,10 +100,12 @@ class Inserter:
 
         retention: a class (or its name) for the nodes on the path to the end of
         `toks`, or (end, class) pairs for the path to each end (retention.marks).
+        turn: the tokens are a chat turn a client may come back to (Tiers.put).
         """
         given = marks(retention, len(toks))
         self._phases.phases = phases = {}
         self._phases.marks = given  # the classes nodes made by this insert get as they are held
+        self._phases.turn = turn
         try:
             self._check_cache(cache)
             position = C.prompt_position(cache)
@@ -120,6 +122,7 @@ class Inserter:
         finally:
             self._phases.phases = None  # a failed insert leaves nothing collecting
             self._phases.marks = ()
+            self._phases.turn = False
         self._phases.last = phases
         self.retain(toks, given)  # and the nodes that held these tokens already
         return stored
@@ -377,7 +380,8 @@ class Inserter:
         with self._phase("hold"):
             seconds = node.record.prefill_seconds if seconds is None else seconds
             parent = node.parent if node.parent != node.namespace else None
-            self.tiers.put(node_id, snaps, seconds, retention, parent=parent)
+            turn = getattr(self._phases, "turn", False)
+            self.tiers.put(node_id, snaps, seconds, retention, parent=parent, turn=turn)
 
     def _fill_checkpoint(self, planned, cache):
         """All tokens are stored and end at a node: fill its missing whole-state layers."""

@@ -314,15 +314,20 @@ class Space:
 
     # --- insert -----------------------------------------------------------------------
 
-    def insert(self, tokens, cache: Sequence[Any], prefill_seconds: float | None = None, *, retention=None) -> int:
+    def insert(
+        self, tokens, cache: Sequence[Any], prefill_seconds: float | None = None, *, retention=None, turn: bool = False
+    ) -> int:
         """Store what `cache` (holding exactly `tokens`) adds; returns new tokens stored.
         Where its time went is then `last_insert_phases()` on the same thread.
 
         retention: how long to keep the prefix ("5m", "1h", "24h", "in_memory",
         or a Retention; None: by the budgets alone), for the nodes on the path to
         the end of `tokens`; or (end, class) pairs, each for the prefix up to its
-        end (docs/serve.md, Retention)."""
-        return self.inserter.insert(self._tokens(tokens), cache, prefill_seconds, retention)
+        end (docs/serve.md, Retention).
+        turn: the tokens are a conversation's turn a client may come back to (a
+        chat prompt or reply): the `admit` durability writes what the insert
+        stores once it leaves memory (evicted, or at close), reused or not."""
+        return self.inserter.insert(self._tokens(tokens), cache, prefill_seconds, retention, turn)
 
     def retain(self, tokens, retention) -> int:
         """Keep the stored nodes on the path of `tokens` as `retention` asks (as in

@@ -154,17 +154,19 @@ class Tiers:
         prefill_seconds: float = 0.0,
         retention: Retention | None = None,
         parent: bytes | None = None,
+        turn: bool = False,
     ) -> None:
         """Hold a node's snapshots and spill per the durability setting (never a
         node retained in_memory); `retention`: the class the node gets (retain);
-        `parent`: the key of the node it goes on from (admit tells conversations by it)."""
+        `parent`: the key of the node it goes on from (admit tells conversations by it);
+        `turn`: a chat turn stored it (admit writes it when it leaves memory)."""
         mx.eval([a for s in snapshots if s is not None for a in s.all_arrays()])
         if retention is not None:
             self.retain(node.key, retention)
         group = self.tenant(node.namespace)
         if self.settings.durability == "admit":
             only_child = lambda: len(self.index.children(parent)) == 1  # noqa: E731
-            self.admission.placed(node.key, parent, only_child, self.clock())
+            self.admission.placed(node.key, parent, only_child, self.clock(), turn)
         evicted = self.hot.put(node.key, snapshots, prefill_seconds=prefill_seconds, node=node, group=group)
         quiet = getattr(self._origin, "remote", False)
         if quiet:

@@ -40,6 +40,16 @@ QUESTIONS = [
 ]
 
 
+# Every durability, and the server's default as a user meets it (no --durability):
+# the shutdown, restart and SIGKILL tests run under each (test_shutdown checks the list).
+DEFAULT = "default"
+DURABILITIES = ["write_through", "write_back", "sync", "admit", DEFAULT]
+
+
+def durability_args(durability: str) -> tuple[str, ...]:
+    return () if durability == DEFAULT else ("--durability", durability)
+
+
 # Quantization groups are at least 32 wide: --kv-bits needs head dim 32.
 VARIANTS = {
     "llama-hd32": ("llama", {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}),

@@ -6,10 +6,20 @@ import re
 import signal
 import threading
 import time
+from typing import get_args
 
 import pytest
 
-from .conftest import QUESTIONS, SYSTEM, chat, rendered_length, store_problems
+from promptstore.config import Settings
+
+from .conftest import DEFAULT, DURABILITIES, QUESTIONS, SYSTEM, chat, durability_args, rendered_length, store_problems
+
+
+def test_every_durability_is_tested():
+    """The shutdown, restart and SIGKILL tests run under DURABILITIES: a durability
+    added to the settings and not to them fails here."""
+    assert set(DURABILITIES) - {DEFAULT} == set(get_args(Settings.model_fields["durability"].annotation))
+
 
 CONVERSATIONS = 4
 SYSTEMS = [f"{SYSTEM} You are assistant number {i}, and you sign every answer with your number." for i in range(4)]
@@ -45,12 +55,18 @@ def _closing(log: str) -> tuple[int, int]:
     return int(waiting[-1]), int(stored.group(1)) if stored else 0
 
 
-def sigterm_after_a_round(serve, model, store, durability: str) -> None:
-    server = serve(model, "--durability", durability, store=store)
+def sigterm_after_a_round(serve, model, store, durability: str, rounds: int = 1) -> None:
+    """`rounds` turns of every conversation, a SIGTERM within a millisecond of the
+    last replies, a restart: every conversation's next turn restores all it sent,
+    its last reply included (a single turn is a conversation too)."""
+    server = serve(model, *durability_args(durability), store=store)
     client = server.client()
     conversations = [
         [{"role": "system", "content": s}, {"role": "user", "content": QUESTIONS[i]}] for i, s in enumerate(SYSTEMS)
     ]
+    for r in range(rounds - 1):
+        for i, reply in enumerate(_round(client, conversations)):
+            conversations[i] += [{"role": "assistant", "content": reply}, {"role": "user", "content": QUESTIONS[r]}]
     replies = _round(client, conversations)
     server.proc.send_signal(signal.SIGTERM)  # within a millisecond of the last reply
     signalled = time.monotonic()
@@ -65,20 +81,27 @@ def sigterm_after_a_round(serve, model, store, durability: str) -> None:
         conversations[i] += [{"role": "assistant", "content": reply}]
         previous.append(rendered_length(model, conversations[i]))
         conversations[i] += [{"role": "user", "content": QUESTIONS[(i + 1) % 4]}]
-    server = serve(model, "--durability", durability, store=store)
+    server = serve(model, *durability_args(durability), store=store)
     restored = [chat(server.client(), c, max_tokens=2)[2] for c in conversations]
     assert all(r >= p for r, p in zip(restored, previous)), (restored, previous)
     assert server.stop() == 0
     assert store_problems(store) == {}
 
 
-@pytest.mark.parametrize("durability", ["write_through", "write_back", "sync"])
-def test_a_sigterm_right_after_the_replies_keeps_every_reply(serve, model_dir, tmp_path, durability):
+@pytest.mark.parametrize("durability", DURABILITIES)
+def test_a_sigterm_right_after_the_first_replies_keeps_every_reply(serve, model_dir, tmp_path, durability):
     sigterm_after_a_round(serve, model_dir("llama"), tmp_path / "store", durability)
 
 
+@pytest.mark.parametrize("durability", ["admit", DEFAULT])
+def test_a_sigterm_after_later_rounds_keeps_every_reply(serve, model_dir, tmp_path, durability):
+    """Later turns go on from reused nodes, and a reply's rendering may split the
+    prompt's last node: each part is still written at the stop."""
+    sigterm_after_a_round(serve, model_dir("llama"), tmp_path / "store", durability, rounds=3)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("durability", ["write_through", "write_back", "sync"])
+@pytest.mark.parametrize("durability", DURABILITIES)
 def test_twenty_sigterms_in_a_row_keep_every_reply(serve, model_dir, tmp_path, durability):
     for run in range(20):
-        sigterm_after_a_round(serve, model_dir("llama"), tmp_path / f"store{run}", durability)
+        sigterm_after_a_round(serve, model_dir("llama"), tmp_path / f"store{run}", durability, rounds=1 + run % 2)

@@ -89,7 +89,10 @@ def _facts(**kw):
         ("evicted", _facts(prefill_seconds=30.0), True),  # costly to recompute
         ("shutdown", _facts(), False),
         ("shutdown", _facts(conversation=True), True),
-        ("shutdown", _facts(prefill_seconds=300.0), False),  # costly, but nobody came back
+        ("shutdown", _facts(prefill_seconds=300.0), False),  # costly, but a one-off nobody came back to
+        ("shutdown", _facts(turn=True), True),  # a chat's turn: a client comes back to it
+        ("evicted", _facts(turn=True), True),
+        ("tick", _facts(turn=True, idle_for=10 * IDLE), False),  # steady state: a first turn waits for reuse
     ],
 )
 def test_the_decision(event, facts, expected):
