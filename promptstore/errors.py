@@ -132,6 +132,11 @@ class ReadOnlyIndexError(IndexStoreError):
     """A write to an index opened read-only."""
 
 
+class IndexDiskError(IndexStoreError):
+    """The disk refused the index's write (full, read-only or failing): the
+    transaction did not happen, and the index is as it was."""
+
+
 class StoreDirectoryError(PromptStoreError):
     """The store directory is unsafe or unusable (a symlink, another owner's, not a directory)."""
 
@@ -167,3 +172,17 @@ class GenerationFailed(PromptStoreError, RuntimeError):
     def __init__(self, message: str, status: int = 500):
         super().__init__(message)
         self.status = status
+
+
+class ModelIdentityError(SettingsError):
+    """A model_id whose namespace was bound with other weights: its cache would be
+    restored into a different model. `model_id` is the id at fault."""
+
+    def __init__(self, message: str, model_id: str | None = None):
+        super().__init__(message)
+        self.model_id = model_id
+
+
+class StoreNotWritableError(StoreDirectoryError):
+    """The store directory cannot be written: on a read-only filesystem, or without
+    write permission for this user (a store writes its lock, index and files there)."""

@@ -455,6 +455,23 @@ class Index:
         """Keep `value` under `name` for `ns` (the last writer wins)."""
         self._write(lambda txn, _: txn.put(_note_key(ns, name), value, db=self._dbs.meta))
 
+    def first_note(self, ns: Namespace, name: str, value: bytes) -> bytes:
+        """Keep `value` under `name` for `ns` unless a value is there; returns the one
+        kept. One write transaction: of processes that race, the first one's stays."""
+        key = _note_key(ns, name)
+
+        def kept(txn) -> bytes | None:
+            found = txn.get(key, db=self._dbs.meta)
+            return None if found is None else bytes(found)
+
+        def put(txn, found: bytes | None) -> bytes:
+            if found is not None:
+                return found
+            txn.put(key, value, db=self._dbs.meta)
+            return value
+
+        return self._write(put, kept)
+
     def stats(self) -> dict[str, int | str]:
         """Totals over every namespace, plus the size of the LMDB map and data."""
         spaces = self.namespaces()

@@ -19,10 +19,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
 from .. import caches as C
-from ..errors import PromptStoreError
+from ..errors import ModelIdentityError, PromptStoreError
 from ..generation import prefill
 from ..store import Hit, PromptStore, Space
-from ..store.model import weights_digest
+from ..store.model import weights_digest, weights_fingerprint
 from .pieces import Pieces, PieceTokenizer
 from .replies import ChatTurn, common_prefix, rendered_turn
 from .tenants import PUBLIC, InFlight, InFlightRequest, Tenant, TrackedPrompt
@@ -143,6 +143,7 @@ class StoreCache:
         kv_group_size=64,
         reply_tokens="rendered",
         tenants: tuple[Tenant, ...] = (PUBLIC,),
+        spans_weights: bool = False,
     ):
         self.store = store
         self.tenants = tenants
@@ -155,6 +156,8 @@ class StoreCache:
         self.model = self.tokenizer = self.model_key = None
         self.pieces: Pieces | None = None  # the server's kept pieces of rendered chats (serve/pieces.py)
         self.identity: str | None = None
+        self.fingerprint: str | None = None  # the model's weights_fingerprint, with a model_id
+        self.spans_weights = spans_weights  # the model_id spans versions of the weights (store.bind)
         self.prefill_step = 2048
         self._spaces: dict[tuple, Space] = {}
         self._pending: _Pending | None = None
@@ -206,19 +209,32 @@ class StoreCache:
         self.model = ModelPair(model, draft) if draft is not None else model
         self.tokenizer, self.model_key, self.prefill_step = tokenizer, model_key, prefill_step
         _, adapter, draft_path = model_key
+        started = time.perf_counter()
         if self.model_id:
             extras = [f"adapter={adapter}" if adapter else "", f"draft={draft_path}" if draft_path else ""]
             self.identity = "|".join([self.model_id, *filter(None, extras)])
+            # What each namespace of the id checks its weights against (store.bind), once for them all.
+            self.fingerprint = weights_fingerprint(self.model)
+            log.info("model identity: --model-id, weights fingerprint in %.2f s", time.perf_counter() - started)
         else:
-            started = time.perf_counter()
             self.identity = "weights-xxh3:" + weights_digest(self.model)  # adapters and draft included
             log.info("model identity: a digest of its weights (%.1f s)", time.perf_counter() - started)
         self._spaces.clear()
+        # Every tenant's namespaces bound now (a digest of a salt takes a moment): a
+        # model id bound to other weights is refused at start, not at a tenant's
+        # first request, and the warm start reads this model's namespaces only.
+        try:
+            bound = [space.namespace.key for tenant in self.tenants for space in self.spaces(tenant)]
+        except ModelIdentityError:
+            raise ModelIdentityError(
+                f"--model-id {self.model_id!r} was bound to other weights in this store: its cache would be "
+                "restored into a different model. Start this model with another --model-id, or with "
+                "--model-id-spans-weights if the id is meant to span versions of the weights",
+                model_id=self.model_id,
+            ) from None
         warming = self.store.warming
         if warming is not None and warming.running:
-            # Bound now (a digest of a salt takes a moment), so that the warm start
-            # reads this model's namespaces only, for every tenant this server knows.
-            warming.restrict(space.namespace.key for tenant in self.tenants for space in self.spaces(tenant))
+            warming.restrict(bound)
 
     def spaces(self, tenant: Tenant) -> list[Space]:
         """The namespaces of this model for `tenant`: plain, then quantized with --kv-bits."""
@@ -227,7 +243,13 @@ class StoreCache:
             key = (tenant.salt, bits)
             if key not in self._spaces:
                 self._spaces[key] = self.store.bind(
-                    self.model, model_id=self.identity, salt=tenant.salt, kv_bits=bits, kv_group_size=self.kv_group_size
+                    self.model,
+                    model_id=self.identity,
+                    salt=tenant.salt,
+                    spans_weights=self.spans_weights,
+                    fingerprint=self.fingerprint,
+                    kv_bits=bits,
+                    kv_group_size=self.kv_group_size,
                 )
             out.append(self._spaces[key])
         return out

@@ -119,6 +119,12 @@ def _add_options(group) -> None:
         "computed once at start)",
     )
     group.add_argument(
+        "--model-id-spans-weights",
+        action="store_true",
+        help="the --model-id is meant to span versions of the weights: serve a model whose weights differ from "
+        "those the store's namespaces of the id were bound with (default: refuse it, as another model's)",
+    )
+    group.add_argument(
         "--api-keys",
         metavar="FILE",
         help='JSON object {"<api key>": "<tenant salt>", ...}: requests need "Authorization: Bearer <key>", '

@@ -206,6 +206,7 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
         # Each waiting insert holds its finished request's cache: no more than the batch held.
         cache.background_limit = max(1, args.decode_concurrency)
         cache.replies_before_fetch = args.reply_before_fetch
+        cache.spans_weights = args.model_id_spans_weights
         # On CPU a reply's prefill gives way to a request that came, every 8 tokens;
         # on a GPU one forward of the whole reply costs about what one of 8 tokens does.
         cache.reply_chunk = REPLY_CHUNK_CPU if mx.default_device() == mx.cpu else None
@@ -255,6 +256,9 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
                 self._generate()
                 return
             except Exception as e:
+                if not self.model_provider.ready and self._closing is None:
+                    self._failed_at_load(e)
+                    return
                 log.exception("generation failed: %s", e)
                 failed = self._fail_replies(e)
                 now = time.monotonic()
@@ -269,6 +273,19 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
                         self.exit_for_supervisor()
                     return
                 log.warning("generation started again (%d requests in flight failed with it)", failed)
+
+    def _failed_at_load(self, error: Exception) -> None:
+        """The model did not load, or the store refused it (a model id bound to other
+        weights): the server exits non-zero at once. A loop started again would not
+        load it again (mlx-lm keeps the key of a model it loaded) and would serve
+        it with no store attached. A promptstore error is one line, as at start."""
+        self.gave_up = f"{type(error).__name__}: {error}"
+        self._generation_failed = True
+        if isinstance(error, PromptStoreError) and not self.cli_args.debug:
+            print(f"promptstore serve: error: {error}", file=sys.stderr, flush=True)
+        else:
+            log.error("the model could not be served: %s", error, exc_info=error)
+        self.exit_for_supervisor()
 
     def exit_for_supervisor(self) -> None:
         """Stop serving, as SIGTERM does: main() closes the store and exits non-zero."""

@@ -1,4 +1,5 @@
-"""What a namespace reads of a model: its layers' specs, its dtype, its weights' digest."""
+"""What a namespace reads of a model: its layers' specs, its dtype, its weights' digest
+and fingerprint."""
 
 from __future__ import annotations
 
@@ -47,3 +48,41 @@ def weights_digest(model: nn.Module) -> str:
         device.release_host_copies(copy)
     device.release_host_copies({}, flush=True)  # none of the copies stays in MLX's buffer cache
     return h.hexdigest()
+
+
+# Values of each tensor the fingerprint reads: an 8B-parameter model's ~300 tensors
+# give ~1.2 million, against the ~8 billion weights_digest reads.
+FINGERPRINT_SAMPLES = 4096
+# Names what the fingerprint reads: a store that recorded another version's is not
+# refused for it (the next bind records this one instead).
+FINGERPRINT_VERSION = "xxh3-sampled-v1"
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """xxh3-128 over every parameter's name, dtype and shape, and FINGERPRINT_SAMPLES
+    evenly spaced values of each (all of a smaller one): cheap enough for every
+    start of a large model, where weights_digest reads every weight.
+
+    It tells apart another model (names, shapes or dtypes, or values), the same
+    model re-scaled or quantized otherwise, and a fine-tune (one moves nearly every
+    value, a merged LoRA adapter too; one left unmerged adds parameters). It can
+    miss a change to a few isolated weights that no sampled position holds.
+    """
+    import xxhash
+    from mlx.utils import tree_flatten
+
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    samples = {}
+    for name, p in params:
+        flat = p.reshape(-1)
+        step = max(1, flat.size // FINGERPRINT_SAMPLES)
+        samples[name] = mx.contiguous(flat[::step][:FINGERPRINT_SAMPLES])  # a strided gather, evaluated below
+    mx.eval(list(samples.values()))
+    # Copies the host reads: on CUDA the weights and their samples stay on the device.
+    copies = device.host_readable(samples)
+    h = xxhash.xxh3_128()
+    for name, p in params:
+        h.update(f"{name}:{p.dtype}:{p.shape};".encode())
+        h.update(memoryview(copies[name]))
+    device.release_host_copies(copies, flush=True)
+    return f"{FINGERPRINT_VERSION}:{h.hexdigest()}"

@@ -21,13 +21,20 @@ import numpy as np
 
 from .. import caches as C
 from ..caches.base import as_position
-from ..errors import CorruptRecordError, PromptStoreError, SettingsError, SnapshotRangeError
+from ..errors import (
+    CorruptRecordError,
+    IndexDiskError,
+    ModelIdentityError,
+    PromptStoreError,
+    SettingsError,
+    SnapshotRangeError,
+)
 from ..index import Index, Namespace, NamespaceSpec, Node, prefix_key
 from ..snapshots.pool import ProcessPool
 from .hit import Hit
 from .insert import Inserter
 from .metrics import model_label
-from .model import layer_spec, model_dtype, weights_digest
+from .model import layer_spec, model_dtype, weights_digest, weights_fingerprint
 from .plan import Rates, rates_of, save_rates
 from .restore import Restorer
 from .retention import marks
@@ -40,8 +47,28 @@ if TYPE_CHECKING:
     from ..config import Settings
     from .tiers import Tiers
 
+# The index note a namespace bound with a model_id keeps its model's weights_fingerprint under.
+WEIGHTS_NOTE = "weights-fingerprint"
+
 # A remote lookup costs round trips: not worth them for fewer new tokens than this.
 MIN_REMOTE_GAIN = 16
+
+
+def _check_weights(model_id: str, recorded: bytes | None, weights: bytes, spans_weights: bool) -> None:
+    """Refuse `weights` for a namespace that recorded others under `model_id`. A
+    record of another fingerprint version says nothing of these weights: not refused."""
+    if recorded is None or recorded == weights or spans_weights or _version(recorded) != _version(weights):
+        return
+    raise ModelIdentityError(
+        f"model_id {model_id!r} was bound to other weights in this store (fingerprint {recorded.decode()}, "
+        f"this model's {weights.decode()}): its cache would be restored into a different model. Give this "
+        "model another model_id, or pass spans_weights=True if the id is meant to span versions of the weights",
+        model_id=model_id,
+    )
+
+
+def _version(fingerprint: bytes) -> bytes:
+    return fingerprint.split(b":", 1)[0]
 
 
 def _nbytes(node: Node) -> int:
@@ -92,8 +119,17 @@ class Space:
         kv_bits=None,
         kv_group_size=64,
         max_kv_size=None,
+        *,
+        spans_weights: bool = False,
+        fingerprint: str | None = None,
     ) -> Space:
-        """Register `model`'s namespace in `index` and bind the model to it."""
+        """Register `model`'s namespace in `index` and bind the model to it.
+
+        With a model_id, the namespace keeps the weights_fingerprint of the model
+        bound to it (the first bind's, or the last spans_weights bind's); a model of
+        another fingerprint is refused (ModelIdentityError, nothing written) unless
+        spans_weights. fingerprint: the model's, when the caller has it already.
+        """
         kwargs = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "max_kv_size": max_kv_size}
         template = C.make_prompt_cache(model, **kwargs)
         dtype = model_dtype(model)
@@ -106,7 +142,27 @@ class Space:
             layers=[layer_spec(c, dtype) for c in template],
             tenant=None if salt is None else index.tenant_digest(salt, settings.tenant_key()),
         )
-        return cls(index, tiers, settings, model, index.register_namespace(spec), kwargs, dtype)
+        if not model_id:  # the full digest is the namespace's identity: other weights, another namespace
+            return cls(index, tiers, settings, model, index.register_namespace(spec), kwargs, dtype)
+        weights = (fingerprint or weights_fingerprint(model)).encode()
+        namespace = Namespace.of(spec)
+        recorded = index.note(namespace, WEIGHTS_NOTE)
+        _check_weights(model_id, recorded, weights, spans_weights)  # before anything is written
+        namespace = index.register_namespace(spec)
+        if recorded is None:
+            # One transaction: of two processes binding other weights at once, the later is refused.
+            _check_weights(model_id, index.first_note(namespace, WEIGHTS_NOTE, weights), weights, spans_weights)
+        elif recorded != weights:
+            # spans_weights, or a fingerprint of another version: the namespace's next
+            # entries come from these weights, so a later bind is checked against them.
+            if _version(recorded) == _version(weights):
+                log.warning(
+                    "model_id %r: bound to other weights than before (spans_weights): "
+                    "what the earlier weights stored is restored into these",
+                    model_id,
+                )
+            index.set_note(namespace, WEIGHTS_NOTE, weights)
+        return cls(index, tiers, settings, model, namespace, kwargs, dtype)
 
     def new_cache(self) -> list:
         """Empty per-layer caches of this namespace's layout."""
@@ -225,6 +281,8 @@ class Space:
                 self.index.touch(touched)
                 self.index.bump(self.namespace, **counts)
             save_rates(self.index, self.namespace)
+        except IndexDiskError as e:  # a full disk: said once by the disk's health, not per write
+            log.debug("advisory counters not written: %s", e)
         except PromptStoreError as e:
             if not background:
                 raise

@@ -72,16 +72,37 @@ class PromptStore:
         model: nn.Module,
         model_id: str | None = None,
         salt: str | None = None,
+        *,
+        spans_weights: bool = False,
+        fingerprint: str | None = None,
         **cache_kwargs,
     ) -> Space:
         """The namespace of `model` (and its cache layout) in this store, as a Space.
 
-        model_id: an identity you vouch for; without it the weights are digested.
+        model_id: an identity you vouch for; without it the weights are digested. The
+            namespace keeps a fingerprint of the weights it was bound with
+            (promptstore.store.model.weights_fingerprint): other weights under the same
+            id raise ModelIdentityError, and nothing is written.
         salt: a tenant secret; namespaces with different salts never share a node. Only a
             keyed scrypt digest of it is stored (Index.tenant_digest), never the salt.
+        spans_weights: the id is meant to span versions of the weights: other weights
+            are bound, and the namespace keeps theirs (later binds are checked against
+            the weights its newest entries come from).
+        fingerprint: `weights_fingerprint(model)`, when the caller has it already (a
+            server binding a namespace per tenant); None: computed here.
         cache_kwargs: kv_bits, kv_group_size, max_kv_size, as for make_prompt_cache.
         """
-        space = Space.bind(self.index, self.tiers, self.settings, model, model_id=model_id, salt=salt, **cache_kwargs)
+        space = Space.bind(
+            self.index,
+            self.tiers,
+            self.settings,
+            model,
+            model_id=model_id,
+            salt=salt,
+            spans_weights=spans_weights,
+            fingerprint=fingerprint,
+            **cache_kwargs,
+        )
         self.spaces.append(space)
         return space
 
