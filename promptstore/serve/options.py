@@ -18,7 +18,8 @@ from pydantic import ByteSize, TypeAdapter
 from ..config import ENV_PREFIX, Settings
 from ..errors import ServeConfigError
 from .arrivals import GATHER_S
-from .door import DEFAULT_MAX_BODY_BYTES
+from .connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+from .door import BODY_SECONDS, DEFAULT_MAX_BODY_BYTES
 from .heap import DEFAULT_RESERVE
 
 # --prefill-step-size's default. On 2 CPU cores (the demo's llama, float32,
@@ -155,6 +156,22 @@ def _add_options(group) -> None:
         metavar="BYTES",
         help="largest request body accepted: a larger one is answered 413 before any of it is read "
         f"(default: {DEFAULT_MAX_BODY_BYTES >> 20} MiB, the Messages API's own limit)",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="the longest a client may take to send a request's line and headers: one slower is answered 408 "
+        f"and its connection closed (default: {DEFAULT_HEADER_TIMEOUT_S:g}; the body has {BODY_SECONDS:g} s of its own)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="connections open at once, each served by a thread: one more is answered 503 at once "
+        f"(default: {DEFAULT_MAX_CONNECTIONS})",
     )
     group.add_argument(
         "--max-tokens-limit",
@@ -314,6 +331,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
     return value
 
 

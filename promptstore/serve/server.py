@@ -34,6 +34,7 @@ from . import apis
 from .apis.exchange import failure
 from .arrivals import ArrivalBudget, Arrivals
 from .cache import StoreCache, split_segments
+from .connections import HeadDeadline, capped_server
 from .door import drain, read_body
 from .heap import keep_heap
 from .metrics import HitFigures, MetricsAccess, ServeMetrics, load_metrics_key
@@ -41,6 +42,7 @@ from .options import build_parser, store_settings
 from .pieces import Pieces, PieceTokenizer
 from .replies import ChatTurn
 from .schemas import ChatCompletionBody, CompletionBody, checked
+from .startup import listening_socket, refuse_a_group
 from .tenants import PUBLIC, KeyRing, Tenant, load_api_keys
 from .warm_prompts import load_warm_prompts, warm
 from .warmup import read_libraries, runtime_libraries, warm_up
@@ -706,10 +708,11 @@ class _Answering:
         raise _Answered
 
 
-class StoreHandler(mlx_server.APIHandler):
+class StoreHandler(HeadDeadline, mlx_server.APIHandler):
     """mlx-lm's handler with API keys, the served model only, and every request
     checked at the door (door.py, schemas.py); the Messages and Responses APIs
-    (apis/) beside its chat and text completions."""
+    (apis/) beside its chat and text completions. Its headers come within
+    --header-timeout (connections.py)."""
 
     tenant: Tenant = PUBLIC
     api: apis.Exchange | None = None  # the Messages or Responses API serving this request
@@ -1032,7 +1035,11 @@ def run(args, cache: StoreCache, keyring: KeyRing) -> StoreResponseGenerator:
     generator = StoreResponseGenerator(provider, cache, keyring)
     try:
         if mx.distributed.init().rank() == 0:
-            mlx_server._run_http_server(args.host, args.port, generator, handler_class=StoreHandler)
+            listener = getattr(args, "listener", None) or listening_socket(args.host, args.port)  # main() binds it
+            server = capped_server(listener, args.max_connections, args.header_timeout)
+            mlx_server._run_http_server(
+                args.host, args.port, generator, server_class=server, handler_class=StoreHandler
+            )
         else:
             generator.join()
     except KeyboardInterrupt:
@@ -1142,6 +1149,9 @@ def main(argv=None) -> int:
             keyring = KeyRing(load_api_keys(args.api_keys) if args.api_keys else None)
             args.metrics_key = load_metrics_key(args.metrics_key_file, keyring) if args.metrics_key_file else None
             args.warm_prompt_list = load_warm_prompts(args.warm_prompts) if args.warm_prompts else None
+            refuse_a_group()
+            # Bound before the store opens and the model loads: a port in use ends the start at once.
+            args.listener = listening_socket(args.host, args.port)
             with shutdown.held():  # a signal meanwhile comes once `store` can be closed
                 store = PromptStore.open(args.store, **store_settings(args))
         except PromptStoreError as e:

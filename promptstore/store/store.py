@@ -6,6 +6,7 @@ hold snapshots, and a Space (a namespace bound to a model) composes them.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -19,7 +20,7 @@ import mlx.nn as nn
 import platformdirs
 
 from ..config import Settings
-from ..errors import StoreDirectoryError
+from ..errors import StoreDirectoryError, StoreNotWritableError
 from ..index import Index
 from .metrics import StoreMetrics, WarmStart
 from .space import Space
@@ -217,17 +218,65 @@ class PromptStore:
 
 
 def _lock_file(root: Path):
-    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError as e:
+        raise _unusable(root / "lock", e, "write") from None
     return os.fdopen(fd, "r+")
+
+
+# What a directory that cannot be written answers (its filesystem mounted read-only,
+# or its mode or owner not letting this user write).
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _unusable(path: Path, error: OSError, doing: str) -> StoreDirectoryError:
+    """A typed error for an OSError met while preparing the store (a caller gets one line, not a traceback)."""
+    if error.errno in NOT_WRITABLE:
+        return StoreNotWritableError(
+            f"cannot {doing} {path}: {error.strerror}; a store writes its lock, index and files"
+        )
+    return StoreDirectoryError(f"cannot use {path} as a store: {error.strerror or error}")
+
+
+def _not_a_folder(root: Path) -> None:
+    """Refuse a store path that is a file, or lies under one, naming that file
+    (mkdir would only say "File exists" or "Not a directory")."""
+    for path in (root, *root.parents):
+        try:
+            if path.is_dir():
+                return
+            if path.exists():
+                kind = "a file" if path.is_file() else "not a regular file"
+                raise StoreDirectoryError(f"{path} is {kind}, not a folder")
+        except OSError:
+            return  # not ours to judge: mkdir below says what is wrong
+
+
+def _writable(root: Path) -> None:
+    """Refuse, before anything is opened, a directory this process cannot write:
+    the lock, the index and the cold files all need it. access() also answers
+    EROFS for root on a read-only mount, where permission bits would not."""
+    effective = os.access in os.supports_effective_ids
+    if os.access(root, os.W_OK | os.X_OK, effective_ids=effective):
+        return
+    if os.statvfs(root).f_flag & os.ST_RDONLY:
+        raise StoreNotWritableError(
+            f"{root} is on a read-only filesystem; a store writes its lock, index and files there"
+        )
+    raise StoreNotWritableError(
+        f"{root} is not writable by this user (uid {os.geteuid()}); a store writes its lock, index and files there"
+    )
 
 
 def _prepare(root: Path, mode: int) -> None:
     if root.is_symlink():
         raise StoreDirectoryError(f"{root} is a symlink; refusing to use it as a store")
+    _not_a_folder(root)
     try:
         root.mkdir(mode=mode, parents=True, exist_ok=True)
     except OSError as e:
-        raise StoreDirectoryError(f"cannot use {root} as a store: {e.strerror or e}") from None
+        raise _unusable(root, e, "create") from None
     info = root.stat()
     if not stat.S_ISDIR(info.st_mode):
         raise StoreDirectoryError(f"{root} is not a directory")
@@ -241,3 +290,4 @@ def _prepare(root: Path, mode: int) -> None:
     for name in ("index", "cold", "lock"):
         if (root / name).is_symlink():
             raise StoreDirectoryError(f"{root / name} is a symlink; refusing to follow it")
+    _writable(root)
