@@ -15,6 +15,7 @@ import pytest
 
 from promptstore import caches as C
 from promptstore.testing import models
+from promptstore.testing.small_disk import SmallDisk, SmallDiskUnavailable
 
 # Cold hits load their nodes unless a test says otherwise: which of load, recompute
 # or overlap is quickest depends on rates this busy machine measures as it runs, so
@@ -36,6 +37,25 @@ VARIANTS = {"": {}, "hd32": {"num_attention_heads": 2, "num_key_value_heads": 1,
 def model_of():
     """model_of(family, variant="") -> a cached tiny random-weight model."""
     return _model
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """small_disk(size) -> a SmallDisk: a tmpfs of its own this test mounts (root
+    only; skipped where no filesystem can be mounted), unmounted at the end."""
+    made: list[SmallDisk] = []
+
+    def make(size: int = 16 << 20) -> SmallDisk:
+        try:
+            disk = SmallDisk(tmp_path / f"disk{len(made)}", size)
+        except SmallDiskUnavailable as e:
+            pytest.skip(f"no small filesystem can be mounted here: {e}")
+        made.append(disk)
+        return disk
+
+    yield make
+    for disk in made:
+        disk.close()
 
 
 def prompt_tokens(n: int, seed: int = 1, vocab: int = 256) -> mx.array:

@@ -48,6 +48,12 @@ Sections (goals in brackets):
                wrong Content-Type, no Content-Length, 10 MB bodies) go in round-robin for 60 s (quick 15)
                and /health is polled every 0.5 s: dropped connections [0], health checks not 200 [0],
                ordinary turns failed [0]; answers by status, and answers not as the catalogue expects, counted.
+  disk_full    a `promptstore serve` whose store's disk (a tmpfs mounted here; skipped, saying why,
+               without the right to mount) fills up while chats go on for 60 s (quick 15), new ones and
+               ones splitting the nodes of conversations stored before; then a restart on the full disk:
+               stored conversations lost [0], wrong replies [0], failed turns [0], tracebacks in the
+               log [0], degraded never seen on /health [0], problems compact --verify finds once the
+               disk has room again [0].
   kill_turns   what a SIGKILL costs per durability: a `promptstore serve` holding chats, turn after turn,
                SIGKILLed at a random instant (0-3 s after a reply), started again on its store; each
                conversation's next turn says how many of its finished turns it restored. Turns restored
@@ -74,6 +80,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test helpers are reused as they are
+
+from soaks.disk_full import disk_full  # noqa: E402  (tools/ is on the path: this script's folder)
 
 TOL = 1e-4
 
@@ -1288,6 +1296,7 @@ def parse(argv=None):
     p.add_argument("--hostile-seconds", type=float, help="length of the hostile run (default 60; quick 15)")
     p.add_argument("--kill-trials", type=int, help="SIGKILLs of a serving process per durability (default 5; quick 1)")
     p.add_argument("--kill-durability", default="admit,write_through,write_back,sync")
+    p.add_argument("--disk-full-seconds", type=float, help="chats on the full disk (default 60; quick 15)")
     p.add_argument("--remote-worker", help=argparse.SUPPRESS)  # a worker of the remote run (its spec, JSON)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", help="the JSON written (default bench-results/soak.json; quick soak-quick.json)")
@@ -1306,6 +1315,7 @@ def parse(argv=None):
     args.remote_final = args.remote_final or (100 if args.quick else 400)
     args.hostile_seconds = args.hostile_seconds or (60 * args.minutes if args.minutes else 15 if args.quick else 60)
     args.kill_trials = args.kill_trials or (1 if args.quick else 5)
+    args.disk_full_seconds = args.disk_full_seconds or (60 * args.minutes if args.minutes else 15 if args.quick else 60)
     args.kill_durability = args.kill_durability.split(",")
     args.crash_durability = args.crash_durability.split(",")
     if args.quick and "--crash-durability" not in " ".join(argv or sys.argv):
@@ -1328,6 +1338,7 @@ SECTIONS = {
     "sentinel": sentinel,
     "hostile": hostile,
     "kill_turns": kill_turns,
+    "disk_full": disk_full,
 }
 
 
@@ -1400,7 +1411,13 @@ def main(argv=None) -> int:
         "hostile_dropped": result.get("hostile", {}).get("dropped"),
         "hostile_health_lost": result.get("hostile", {}).get("health_lost"),
         "hostile_ordinary_failed": result.get("hostile", {}).get("ordinary_failed"),
+        **{
+            f"disk_full_{k}": result.get("disk_full", {}).get(k)
+            for k in ("lost", "wrong_replies", "failed_turns", "tracebacks", "compact_problems")
+        },
     }
+    if "degraded_seen" in result.get("disk_full", {}):
+        goals["disk_full_degraded_not_seen"] = int(not result["disk_full"]["degraded_seen"])
     result["goals"] = {k: v for k, v in goals.items() if v is not None}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

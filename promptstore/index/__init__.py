@@ -6,12 +6,13 @@ The only package that talks to LMDB; it imports no MLX.
 from .index import Index
 from .keys import as_tokens, prefix_key
 from .namespace import LayerSpec, Namespace, NamespaceSpec
-from .records import LayerRef, Node, NodeRecord
+from .records import FileNode, LayerRef, Node, NodeRecord
 from .trie import InsertPlan, InsertResult, Match, SplitPlan
 
 __all__ = [
     "Index",
     "InsertPlan",
+    "FileNode",
     "InsertResult",
     "LayerRef",
     "LayerSpec",

@@ -20,11 +20,19 @@ from typing import TypeVar
 
 import lmdb
 
-from promptstore.errors import IndexCorruptError, IndexStoreError, ReadOnlyIndexError, SchemaVersionError
+from promptstore.errors import (
+    IndexCorruptError,
+    IndexDiskError,
+    IndexStoreError,
+    ReadOnlyIndexError,
+    SchemaVersionError,
+)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # 1: namespace specs held tenant salts in clear; upgraded by the first writable open (upgrade.py).
-READABLE_SCHEMAS = (1, 2)
+# 2: no record names a file of a wider span (NodeRecord.file_node): code that reads
+#    only 2 would call such a record corrupt, so 3 keeps it out; upgraded in place.
+READABLE_SCHEMAS = (1, 2, 3)
 DEFAULT_MAP_SIZE = 64 << 20
 DB_NAMES = ("namespaces", "nodes", "edges", "children", "access", "counters", "meta")
 SCHEMA_KEY = b"schema_version"
@@ -35,6 +43,17 @@ _RESIZE_WAIT_S = 60.0
 # What LMDB says of pages that are not what they should be (it has no checksums of
 # its own, so this is what it happens to notice).
 DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError)
+
+# What LMDB says when the disk refuses a commit's pages (a full, read-only or failing
+# disk): the transaction is undone, and writes work again once the disk takes them.
+# py-lmdb has a class for ENOSPC and EROFS; EIO and EDQUOT come as its base class.
+DISK = (lmdb.DiskError, lmdb.ReadonlyError)
+DISK_WORDS = ("Input/output error", "Disk quota exceeded", "No space left on device", "Read-only file system")
+
+
+def refused_by_disk(error: lmdb.Error) -> bool:
+    return isinstance(error, DISK) or any(w in str(error) for w in DISK_WORDS)
+
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -173,6 +192,8 @@ class Environment:
             except DAMAGE as e:
                 raise IndexCorruptError(f"LMDB index at {self.path} is damaged: {e}") from e
             except lmdb.Error as e:
+                if refused_by_disk(e):
+                    raise IndexDiskError(f"the disk refused the index's write at {self.path}: {e}") from e
                 raise IndexStoreError(f"LMDB write failed at {self.path}: {e}") from e
             finally:
                 txn.abort()  # no-op after commit

@@ -35,6 +35,22 @@ class LayerRef(BaseModel):
     nbytes: int = Field(default=0, ge=0)
 
 
+class FileNode(BaseModel):
+    """The node a file was written for, when a record names a file of a wider span.
+
+    A split does not wait for its halves' own files: each half keeps naming (a
+    link to) the file of the node it was part of, and reads its part of it,
+    until a file of its own replaces it. So a disk that refuses the new files
+    never costs what was stored already.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: str = Field(description="the node key the file was written for, hex")
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+
 class NodeRecord(BaseModel):
     """Where a node's snapshots live and what they are worth."""
 
@@ -43,6 +59,7 @@ class NodeRecord(BaseModel):
     layers: list[LayerRef]
     tier: Tier = "hot"
     file: str | None = Field(default=None, description="safetensors path relative to the store")
+    file_node: FileNode | None = Field(default=None, description="the wider node `file` was written for, if another")
     nbytes: int = Field(default=0, ge=0)
     checksum: str | None = None
     created: float = Field(default_factory=time.time)

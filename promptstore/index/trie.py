@@ -361,7 +361,10 @@ def apply(txn: lmdb.Transaction, dbs: Dbs, checked: CheckedInsert) -> InsertResu
     split_key = p.split.upper_key if p.split else None
     end_key = p.leaf_key or split_key or p.path_keys[-1]
     m, n = p.span
-    unnamed = file_of(p.match.path[-1]) if p.split is not None else ()
+    unnamed = ()
+    if p.split is not None:  # the split node's file goes, unless a half still names it
+        kept = {r.file for r in checked.split_records}
+        unnamed = tuple(f for f in file_of(p.match.path[-1]) if f not in kept)
     return InsertResult(end_key, tuple(created), split_key, n - m, unnamed)
 
 
@@ -471,7 +474,7 @@ def replace_record(txn, dbs: Dbs, node: Node, record: NodeRecord, bump: dict[str
 
 
 def drop_namespace(txn: lmdb.Transaction, dbs: Dbs, ns_key: bytes) -> int:
-    """Remove a namespace: its spec, counters, and every node, edge, children entry and
+    """Remove a namespace: its spec, counters, notes, and every node, edge, children entry and
     access stamp of its nodes (found by a scan, so unreachable ones go too). Returns nodes removed."""
     doomed = [bytes(k) for k, v in txn.cursor(db=dbs.nodes) if stored_namespace(v) == ns_key]
     for key in [ns_key, *doomed]:
@@ -484,5 +487,9 @@ def drop_namespace(txn: lmdb.Transaction, dbs: Dbs, ns_key: bytes) -> int:
         access.forget(txn, dbs, key)
     for name in counters.NAMES:
         txn.delete(ns_key + name.encode(), db=dbs.counters)
+    notes = txn.cursor(db=dbs.meta)  # its notes (rates, the weights it was bound with): Index._note_key
+    prefix = b"note/" + ns_key + b"/"
+    while notes.set_range(prefix) and bytes(notes.key()).startswith(prefix):
+        notes.delete()
     txn.delete(ns_key, db=dbs.namespaces)
     return len(doomed)

@@ -1,6 +1,7 @@
 """Upgrades of an index written by an older schema, run by its first writable open.
 
-Schema 1 stored each namespace's spec with its tenant salt in clear. Those
+Schema 2 differs from 3 only in what 3 may write (records naming a file of a
+wider span, NodeRecord.file_node): its index is 3's as it is. Schema 1 stored each namespace's spec with its tenant salt in clear. Those
 namespaces are dropped, not kept: their keys derive from the salt by a fast hash
 (so any of their nodes left behind keeps the salt guessable), and no bind under
 schema 2 reaches them (it derives a namespace from a keyed, slow digest of the
@@ -26,7 +27,7 @@ def upgrade(environment: Environment) -> None:
     with environment.read() as txn:
         if bytes(txn.get(SCHEMA_KEY, db=environment.dbs.meta) or b"") == str(SCHEMA_VERSION).encode():
             return
-    dropped = environment.write(lambda txn, _: _from_schema_1(txn, environment.dbs))
+    dropped = environment.write(lambda txn, _: _upgrade(txn, environment.dbs))
     if dropped:
         log.warning(
             "dropped %d namespaces that held a tenant salt in clear (schema 1); "
@@ -35,7 +36,7 @@ def upgrade(environment: Environment) -> None:
         )
 
 
-def _from_schema_1(txn: lmdb.Transaction, dbs: Dbs) -> int:
+def _upgrade(txn: lmdb.Transaction, dbs: Dbs) -> int:
     found = txn.get(SCHEMA_KEY, db=dbs.meta)
     if found is not None and bytes(found) == str(SCHEMA_VERSION).encode():
         return 0  # another process upgraded it meanwhile

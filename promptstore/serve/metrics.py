@@ -235,6 +235,28 @@ def _store_counters(m: StoreMetrics):
     yield _counter(
         "promptstore_quarantined_files", "Files that failed their checks, moved aside unserved", m.quarantined_files
     )
+    yield from _disk(m)
+
+
+def _disk(m: StoreMetrics):
+    """What the disk refused (a full, read-only or failing disk), and what waits for it in memory."""
+    d = m.disk
+    yield _counter("promptstore_disk_refused_writes", "Node file writes the disk refused", d.refused_writes)
+    yield _counter("promptstore_disk_refused_bytes", "Bytes of the writes the disk refused", d.refused_bytes)
+    yield _counter(
+        "promptstore_disk_deferred_writes", "Writes held back while the disk refused (its back-off)", d.deferred_writes
+    )
+    for name, doc, value in (
+        ("promptstore_disk_refusing", "1 while the disk refuses writes (the store is degraded)", int(d.refusing)),
+        (
+            "promptstore_disk_refusing_seconds",
+            "Seconds the disk has refused writes (0 when it takes them)",
+            d.refusing_seconds,
+        ),
+        ("promptstore_unwritten_nodes", "Nodes the disk refused, held in memory only", d.unwritten_nodes),
+        ("promptstore_unwritten_bytes", "Bytes of the nodes the disk refused, held in memory only", d.unwritten_bytes),
+    ):
+        yield GaugeMetricFamily(name, doc, value=value)
 
 
 def _admission(m: StoreMetrics):

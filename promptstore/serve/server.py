@@ -446,9 +446,11 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
 
     def health(self) -> tuple[int, dict]:
         """/health's status and body: 503 "loading" until the model is loaded and
-        warmed up, "unavailable" if generation stopped; then 200, "warming" while a
+        warmed up, "unavailable" if generation stopped; then 200, "degraded" (with
+        a `reason`) while the disk refuses the store's writes, "warming" while a
         warm start reads the store (requests are served meanwhile), else "ok". With
-        --api-keys the warm start's figures are left out: they count every tenant's data."""
+        --api-keys the warm start's and the disk's figures are left out: they count
+        every tenant's data."""
         provider = self.model_provider
         body: dict = {"status": "ok", "model_loaded": provider.model is not None}
         now = time.monotonic()
@@ -468,6 +470,12 @@ class StoreResponseGenerator(mlx_server.ResponseGenerator):
             body["warm_start"] = {k: progress[k] for k in keep}
             if warming.running:
                 body["status"] = "warming"
+        disk = self.store_cache.store.disk()
+        if disk.refusing:  # it still serves: what the disk refused waits in memory
+            body["status"] = "degraded"
+            body["reason"] = f"the disk refuses the store's writes ({disk.reason}) for {disk.refusing_seconds:.0f} s"
+            if not self.keyring.required:  # figures of every tenant's data
+                body["disk"] = {"unwritten_nodes": disk.unwritten_nodes, "unwritten_bytes": disk.unwritten_bytes}
         return 200, body
 
     @property
@@ -1192,7 +1200,7 @@ def closing_line(generator: StoreResponseGenerator | None, store: PromptStore) -
         )
     nodes, nbytes = store.unwritten
     if nodes:
-        said.append(f"{nodes} nodes ({nbytes / 1e6:.1f} MB) not written: the disk refused them")
+        said.append(f"{nodes} nodes ({nbytes / 1e6:.1f} MB) not written: the disk refused them, they are lost")
     declined, declined_bytes = store.declined
     if not lost and not nodes:
         said.append("everything is on disk" if not declined else "everything admitted is on disk")

@@ -13,6 +13,7 @@ bytes held in memory (a blob the remote tier fetched) pass the same checks
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -39,6 +40,9 @@ from .safetensors_header import header_of_bytes, header_of_fd, open_regular
 from .safetensors_writer import write_safetensors
 
 log = logging.getLogger("promptstore.snapshots")
+
+# What link(2) says where a filesystem has no hard links (or none across these names).
+NO_LINKS = {errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 
 NODE_KEY = "promptstore.node"
 SUFFIX = ".safetensors"
@@ -589,6 +593,30 @@ class ColdTier:
         digest = xxhash.xxh3_128_hexdigest(json.dumps(sums(), sort_keys=True).encode())
         return FileRef(rel, size, digest)
 
+    def link(self, rel: str, node: NodeId) -> str | None:
+        """A second name for the file `rel` holding `node` (the node it was written
+        for), in its folder: two records may then name one file's bytes, and each
+        removes only its own name. Costs no data blocks. None where the filesystem
+        has no hard links (FAT, exFAT) or `rel` is no name of `node`'s; the disk
+        refusing even a folder entry is a DiskWriteError."""
+        try:
+            src = self.absolute(rel)
+        except ColdFileError:
+            return None
+        new = self.relative_path(node, secrets.token_hex(TAG_BYTES))
+        if Path(new).parent != Path(rel).parent:
+            return None  # not a name this tier gave to a file of `node`
+        try:
+            os.link(src, self.root / new)
+            self._sync_dir((self.root / new).parent)
+        except OSError as e:
+            self._discard(self.root / new)
+            if e.errno in NO_LINKS:
+                log.debug("no second name for %s: %s", rel, e)
+                return None
+            raise DiskWriteError(f"could not link {new}: {e.strerror or e}") from e
+        return new
+
     def _sync_dir(self, path: Path) -> None:
         if self.fsync:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -686,7 +714,12 @@ class ColdTier:
                     stack.append((Path(entry.path), depth + 1))
 
     def disk_bytes(self) -> int:
-        return sum(size for _, size in self.iter_files())
+        """Bytes of the published files, a file with two names (link) counted once."""
+        seen: dict[tuple[int, int], int] = {}
+        for rel, info in self._entries():
+            if _kind(info.st_mode) == "file" and rel.endswith(SUFFIX) and TEMP_MARK not in rel:
+                seen[(info.st_dev, info.st_ino)] = info.st_size
+        return sum(seen.values())
 
 
 def _is_tag(text: str) -> bool:

@@ -189,7 +189,7 @@ class Compactor:
         whichever step reads it: quarantined (in a dry run: would be) and reported.
         Never through the tiers, which would repair unreported, even in a dry run."""
         try:
-            return self.files.load(rel, node.id)
+            return self.files.load(rel, node)
         except ColdFileError as e:
             if rel in self.unfiled or not self._names(node, rel):
                 return None  # reported already, or evicted or merged while it was read
@@ -198,7 +198,7 @@ class Compactor:
             except OSError:
                 size = 0
             if not self.dry:
-                self.files.quarantine(node.id, e)
+                self.files.quarantine(node, e)
             self.unfiled.add(rel)
             where = self._where(self.files.path(rel))
             self.report.add("quarantine", where, f"failed verify ({e.reason})", nodes=1, files=1, nbytes=size)

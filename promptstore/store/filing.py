@@ -20,17 +20,21 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..caches import Snapshot
+import mlx.core as mx
+
+from ..caches import Snapshot, cut_node
 from ..errors import (
     ColdFileError,
     CorruptRecordError,
+    DiskWriteError,
+    IndexDiskError,
     NodeHasChildrenError,
     NodeNotFoundError,
     PromptStoreError,
     StaleInsertError,
 )
 from ..identity import NodeId
-from ..index import Index, InsertPlan, InsertResult, Namespace, Node, NodeRecord
+from ..index import FileNode, Index, InsertPlan, InsertResult, Namespace, Node, NodeRecord
 from ..snapshots import ColdTier, SpillJob
 from ..snapshots.pool import ProcessPool
 from .retention import Retention, record_fields
@@ -46,6 +50,27 @@ _removing = ProcessPool(1, "promptstore-remove")  # files no record names, remov
 def unchanged(node: NodeId, file: str | None) -> Callable[[Node], bool]:
     """The staleness rule: the stored node has this identity and its record names `file`."""
     return lambda n: n.id == node and n.record.file == file
+
+
+def file_id(node: Node) -> NodeId:
+    """The node the file its record names was written for: itself, or (a split's
+    half, until it has a file of its own) the wider node it was part of."""
+    wider = node.record.file_node
+    if wider is None:
+        return node.id
+    return NodeId(bytes.fromhex(wider.key), node.namespace, wider.start, wider.end)
+
+
+def part_of(snapshots: list[Snapshot], file: NodeId, node: NodeId) -> list[Snapshot]:
+    """The node's part of snapshots read from a file written for `file` (its span
+    holds the node's): window and range layers cut to the node's span, a
+    recurrent state only where the node ends where the file does."""
+    if (file.start, file.end) == (node.start, node.end):
+        return snapshots
+    cuts = [p for p in (node.start, node.end) if file.start < p < file.end]
+    part = cut_node(snapshots, cuts)[1 if node.start > file.start else 0]
+    mx.eval([a for s in part if s is not None for a in s.all_arrays()])  # other threads (the writer) use them
+    return part
 
 
 class Filing:
@@ -98,14 +123,14 @@ class Filing:
             if node is None or node.id != job.node:
                 raise NodeNotFoundError(f"node {job.node} changed before its spill was published")
             old = node.record.file
-            update = {"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": tier}
+            update = {"file": ref.path, "file_node": None, "nbytes": ref.nbytes, "checksum": ref.checksum, "tier": tier}
             if kept is not None:
                 update.update(record_fields(kept, node.record.keep_until))
             record = node.record.model_copy(update=update)
             if job.present is not None:  # the file holds less than the node did in memory
                 layers = [r.model_copy(update={"present": p}) for r, p in zip(record.layers, job.present)]
                 record = record.model_copy(update={"layers": layers})
-            with self.after_commit() as doomed:
+            with self.after_commit(later=True) as doomed:  # a replaced file goes off the writing thread
                 written = {"disk_written_bytes": ref.nbytes}  # counted with the record that names the file
                 self.index.update_record(job.node.key, record, expect=unchanged(job.node, old), bump=written)
                 doomed.append(old if old != ref.path else None)
@@ -113,6 +138,9 @@ class Filing:
             self.cold.delete(ref.path)  # never named: it is not the node's file
             self.counts["spills_dropped"] += 1
             return False
+        except IndexDiskError as e:  # written, but the index cannot name it: a refused write
+            self.cold.delete(ref.path)
+            raise DiskWriteError(f"the index could not name {ref.path}: {e}") from e
         self.counts["spills"] += 1
         return True
 
@@ -133,24 +161,53 @@ class Filing:
             current = self.index.get(node.key)
             if current is None:
                 return False
-            record = current.record.model_copy(update={"file": None, "checksum": None, "tier": "hot"})
+            record = current.record.model_copy(
+                update={"file": None, "file_node": None, "checksum": None, "tier": "hot"}
+            )
             self.index.update_record(node.key, record, expect=unchanged(node, file))
-        except STALE:
-            return False
+        except (*STALE, IndexDiskError):
+            return False  # still named: the next read finds it bad (or missing) again
         return True
 
     def commit_insert(self, plan: InsertPlan, record: NodeRecord | None, split_records) -> InsertResult:
-        """The index's commit_insert; a split node's old file goes after it (on the removing thread)."""
-        with self.after_commit(later=True) as doomed:
-            result = self.index.commit_insert(plan, record, split_records)
-            doomed.extend(result.unnamed)
+        """The index's commit_insert; a split node's old file goes after it (on the
+        removing thread) unless a half names it. A second name made for a half
+        (split_files) goes if the commit does not happen."""
+        links = [] if split_records is None else [r.file for r in split_records if r.file_node is not None]
+        try:
+            with self.after_commit(later=True) as doomed:
+                result = self.index.commit_insert(plan, record, split_records)
+                doomed.extend(result.unnamed)
+        except BaseException:
+            for rel in links:
+                if rel != _file_or_none(plan.match.path[-1]):
+                    self.cold.delete(rel)
+            raise
         return result
+
+    def split_files(self, node: Node, at: int) -> tuple[dict, dict]:
+        """What the records of a filed node's two halves, [start, at) and [at, end),
+        say of files until each has one of its own: the lower half keeps naming
+        the node's file, the upper a second name for it (ColdTier.link), both
+        reading their part. Nothing for a node without a file, or where the
+        filesystem gives no second name (the upper half then has no file until
+        its own is written, as any new node)."""
+        record = node.record
+        if not record.file:
+            return {}, {}
+        wider = file_id(node)
+        fields = {"file_node": FileNode(key=wider.key.hex(), start=wider.start, end=wider.end), "tier": "both"}
+        lower = {"file": record.file, "checksum": record.checksum, **fields}
+        link = self.cold.link(record.file, wider)
+        return ({"file": link, "checksum": record.checksum, **fields} if link else {}), lower
 
     def join(self, ns: Namespace, node: Node, child: Node, snapshots: list[Snapshot], record: NodeRecord) -> bool:
         """Write the joined snapshots and replace node and child by one node; both old
         files go after the join commits. `record` is filled in with the new file."""
         ref = self.cold.write(NodeId(child.key, node.namespace, node.start, child.end), snapshots)
-        record = record.model_copy(update={"file": ref.path, "nbytes": ref.nbytes, "checksum": ref.checksum})
+        record = record.model_copy(
+            update={"file": ref.path, "file_node": None, "nbytes": ref.nbytes, "checksum": ref.checksum}
+        )
         try:
             with self.after_commit() as doomed:
                 _, unnamed = self.index.join_child(ns, node.key, record, expect=(node, child))
@@ -177,13 +234,14 @@ class Filing:
             return None
         return removed
 
-    def quarantine(self, node: NodeId, error: ColdFileError) -> None:
-        """A bad file: moved aside (when it is a name this tier gives to this node's
-        files, never any file a record happens to name), and unnamed."""
-        if error.reason != "missing" and error.path and self.cold.owns(error.path, node):
+    def quarantine(self, node: Node, error: ColdFileError) -> None:
+        """A bad file: moved aside (when it is a name this tier gives to the files
+        of the node it was written for, never any file a record happens to name),
+        and unnamed."""
+        if error.reason != "missing" and error.path and self.cold.owns(error.path, file_id(node)):
             self.cold.quarantine(error.path)
         if error.path:
-            self.unfile(node, error.path)
+            self.unfile(node.id, error.path)
 
     def discard(self, rel: str) -> None:
         """Remove a file no record names (an orphan)."""
@@ -207,8 +265,10 @@ class Filing:
     def path(self, rel: str) -> Path:
         return self.cold.root / rel
 
-    def load(self, rel: str, node: NodeId) -> list[Snapshot]:
-        return self.cold.load(rel, node)
+    def load(self, rel: str, node: Node) -> list[Snapshot]:
+        """The verified snapshots of the node's file `rel` (its part of a wider one)."""
+        wider = file_id(node)
+        return part_of(self.cold.load(rel, wider), wider, node.id)
 
 
 def _file_or_none(node: Node) -> str | None:

@@ -25,6 +25,8 @@ from ..errors import (
     CacheError,
     CacheShapeError,
     CorruptRecordError,
+    DiskWriteError,
+    IndexDiskError,
     KeyCollisionError,
     StaleInsertError,
     UnsupportedCacheError,
@@ -201,6 +203,12 @@ class Inserter:
                 continue
             except KeyCollisionError:
                 return 0
+            except (DiskWriteError, IndexDiskError) as e:
+                # The disk refused the index's commit, or a name for a split's half:
+                # the trie is as it was, and this insert stores nothing more.
+                self.tiers.disk.refused(e, 0)
+                self.tiers.count("inserts_refused_disk")
+                return 0
             except _SplitDataUnavailable:
                 # The edge to split belongs to a node another process has not
                 # spilled yet; its file usually lands within moments.
@@ -356,8 +364,11 @@ class Inserter:
             uppers = C.richer_windows(uppers, cache, node.start, planned.split.at)
         frac = (planned.split.at - node.start) / (node.end - node.start)
         seconds = node.record.prefill_seconds
-        upper_rec = self._record(uppers, seconds * frac, 0)
-        lower_rec = self._record(lowers, seconds * (1 - frac), 0)
+        # Until each half's own file is written, both read theirs from the node's:
+        # a disk that refuses the new files costs nothing that was stored.
+        upper_file, lower_file = self.tiers.split_files(node, planned.split.at)
+        upper_rec = self._record(uppers, seconds * frac, 0).model_copy(update=upper_file)
+        lower_rec = self._record(lowers, seconds * (1 - frac), 0).model_copy(update=lower_file)
         return (upper_rec, lower_rec), uppers, lowers
 
     def _place_split(self, planned, uppers, lowers) -> None:
@@ -404,8 +415,11 @@ class Inserter:
             merged = [fresh[i] if i in missing else s for i, s in enumerate(current)]
             if any(s is None or not s.complete for s in merged):
                 return
-            new_record = self._record(merged, record.prefill_seconds, 0)
-            if not self.tiers.refile(node.id, record.file, new_record.model_copy(update={"file": None})):
+            # The node keeps naming its file (which lacks the states) until the
+            # merged snapshots are on disk: a refused write loses nothing stored.
+            kept = {k: getattr(record, k) for k in ("file", "file_node", "checksum", "tier")}
+            new_record = self._record(merged, record.prefill_seconds, 0).model_copy(update=kept)
+            if not self.tiers.refile(node.id, record.file, new_record):
                 raise _NodeChanged()  # another process changed it: plan the insert again
             self.tiers.forget(node.key)
             self._put(node.id, merged, record.prefill_seconds)

@@ -98,6 +98,28 @@ class WarmStart:
 
 
 @dataclass(frozen=True)
+class DiskFigures:
+    """What the disk did with this process's writes (snapshots/disk_health.py).
+
+    refusing: the last write was refused and none has gone through since (the
+        store is degraded), for `refusing_seconds`, the last refusal's `reason`.
+    refused_writes, refused_bytes: writes the disk refused since the store opened;
+        deferred_writes: writes held back while it refused (its back-off).
+    unwritten_nodes, unwritten_bytes: nodes the disk refused that are held in
+        memory only now (a stop loses them unless the disk takes them by then).
+    """
+
+    refusing: bool = False
+    refusing_seconds: float = 0.0
+    reason: str | None = None
+    refused_writes: int = 0
+    refused_bytes: int = 0
+    deferred_writes: int = 0
+    unwritten_nodes: int = 0
+    unwritten_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class StoreMetrics:
     """What PromptStore.metrics() returns. Counters count this process's work since
     the store opened; sizes are the store's now.
@@ -122,6 +144,7 @@ class StoreMetrics:
         are budgets per tenant. stored_nodes, stored_bytes: the whole store, every
         process's nodes. warm_start: None when none ran.
     retention: what clients asked the store to keep and what it did (retention.py).
+    disk: what the disk refused, and whether it refuses now (DiskFigures).
     """
 
     models: dict[str, ModelMetrics]
@@ -148,6 +171,7 @@ class StoreMetrics:
     declined_bytes: int = 0
     over_budget_nodes: int = 0
     over_budget_bytes: int = 0
+    disk: DiskFigures = field(default_factory=DiskFigures)
 
     @property
     def write_amplification(self) -> float | None:

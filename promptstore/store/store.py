@@ -22,7 +22,7 @@ import platformdirs
 from ..config import Settings
 from ..errors import StoreDirectoryError, StoreNotWritableError
 from ..index import Index
-from .metrics import StoreMetrics, WarmStart
+from .metrics import DiskFigures, StoreMetrics, WarmStart
 from .space import Space
 from .tiers import Tiers
 from .warm import Warmer
@@ -151,6 +151,11 @@ class PromptStore:
     def in_memory(self) -> tuple[int, int]:
         """Nodes, and their bytes, this process holds in memory (the hot tier)."""
         return self.tiers.in_memory()
+
+    def disk(self) -> DiskFigures:
+        """What the disk refused of this process's writes, whether it refuses now (the
+        store is then degraded: what it refused waits in memory), and how much waits."""
+        return self.tiers.disk_figures()
 
     def only_in_memory(self) -> dict[bytes, int]:
         """Nodes in memory not on disk yet (close spills them), by key: their bytes."""

@@ -32,8 +32,8 @@ from ..snapshots.cold import PendingLoad
 from ..snapshots.remote import LocalLink, PublishItem, RemoteHit, RemoteTier, prune_ledger
 from .admission import Admission, Event, Ticker, admit
 from .eviction import evict_tenant
-from .filing import Filing, filed
-from .metrics import Meter, Report, StoreMetrics
+from .filing import Filing, file_id, filed, part_of
+from .metrics import DiskFigures, Meter, Report, StoreMetrics
 from .retention import CLASSES, NONE, Retained, Retention, RetentionFigures, keys_of, record_fields, retention_class
 
 log = logging.getLogger("promptstore.store")
@@ -54,9 +54,11 @@ class Tiers:
         self.counts: Counter = Counter()
         self.meter = Meter()  # what PromptStore.metrics() reports
         self.filing = Filing(index, self.cold, self.counts)
-        self.writer = Writer(self.cold, self._publish, self._failed, settings.writer_queue)
+        self.writer = Writer(self.cold, self._publish, self._failed, settings.writer_queue, self._retry_refused)
+        self.disk = self.writer.health  # whether the disk takes writes (snapshots/disk_health.py)
         self.pending: dict[bytes, SpillJob] = {}  # evicted from memory, not yet on disk
         self.stranded: dict[bytes, SpillJob] = {}  # could not be written: kept in memory
+        self.refused: set[bytes] = set()  # nodes whose last write the disk refused (held in memory)
         self.reports: deque[Report] = deque(maxlen=1000)
         self.branch_states: set[bytes] = set()  # nodes whose states a split made (see keep_states)
         self.lock = threading.RLock()
@@ -123,6 +125,8 @@ class Tiers:
                 if parent is None:
                     return None  # removed meanwhile
                 path.insert(0, parent)
+            if any(n.record.file_node is not None for n in path):
+                return None  # a half reading a wider file: published once it has its own
             links = [
                 LocalLink(n.key, n.start, n.end, n.record.file, n.record.nbytes, n.record.prefill_seconds) for n in path
             ]
@@ -205,6 +209,10 @@ class Tiers:
     def commit_insert(self, plan: InsertPlan, record: NodeRecord | None, split_records) -> InsertResult:
         """An insert's new node and split halves into the index (Filing.commit_insert)."""
         return self.filing.commit_insert(plan, record, split_records)
+
+    def split_files(self, node: Node, at: int) -> tuple[dict, dict]:
+        """What a filed node's halves' records name until each has its own file (Filing.split_files)."""
+        return self.filing.split_files(node, at)
 
     def refile(self, node: NodeId, old_file: str | None, record: NodeRecord) -> bool:
         """Replace a node's record while it still names `old_file` (Filing.refile)."""
@@ -349,8 +357,8 @@ class Tiers:
         Never waits for the writer's queue (what does not fit waits for the next
         tick). Runs on the admission thread every second; a test may call it.
         Returns the nodes queued."""
-        if self.settings.durability != "admit":
-            return 0
+        if self.settings.durability != "admit" or (self.disk.retry_in() or 0.0) > 0.0:
+            return 0  # the disk refuses writes: the writer tries again after its back-off
         with self._tick_lock:
             now, queued = self.clock(), 0
             due = [e for e in self.hot.dirty_entries() if not self._queued(e) and self._admits("tick", e, now)]
@@ -583,7 +591,7 @@ class Tiers:
             entry = self.loading.get(node.key)
             if entry is not None and entry[:2] == (node.id, record.file):
                 return entry[2]
-            pending = self.cold.start_load(record.file, node.id)
+            pending = self.cold.start_load(record.file, file_id(node))
             self.loading[node.key] = (node.id, record.file, pending)
             return pending
 
@@ -592,33 +600,55 @@ class Tiers:
         file or keeps the snapshots in memory. A file gone because the record names
         another now is read as that (once: `retry`), not reported."""
         try:
-            snapshots = pending.result()
+            snapshots = part_of(pending.result(), file_id(node), node.id)
         except ColdFileError as e:
             first = self._first_to_finish(node, pending)
-            now = self._republished(node) if e.reason == "missing" and retry else None
-            if now is not None:  # the file was replaced (and removed) since `node` was read
+            now = self._republished(node) if retry else None
+            if now is not None:  # the file was replaced (and removed, maybe mid-read) since `node` was read
                 return self._get(now, retry=False)
             if first:
                 self._bad_file(node, e)
             return None
         if not self._first_to_finish(node, pending):
             return snapshots
+        self._claims_what_it_holds(node, snapshots)
         self.counts["cold_loads"] += 1
         self._recorded_retention(node)
         self.meter.add(read_back_bytes=node.record.nbytes)
         with self.lock:
             self.read_back[node.namespace] += node.record.nbytes
+        # A split's half read from the wider file it kept: it gets a file of its own
+        # as the durability writes any new node (each later read is then its own).
+        wider = node.record.file_node is not None
         evicted = self.hot.put(
             node.key,
             snapshots,
             prefill_seconds=node.record.prefill_seconds,
-            dirty=False,
+            dirty=wider,
             node=node.id,
             group=self.tenant(node.namespace),
         )
+        if wider and self.settings.durability in ("sync", "write_through"):
+            self._submit(SpillJob(node.id, snapshots))
         self._count_evicted(evicted)
         self._spill_evicted(evicted)
         return snapshots
+
+    def _claims_what_it_holds(self, node: Node, snapshots: list[Snapshot]) -> None:
+        """A record may say a layer is present that only memory held (a checkpoint
+        filled in, a split's half made from a prompt's caches) while its file is
+        an older or wider one; read back without it, the record says so, and the
+        next prompt through the node fills it in again."""
+        record = node.record
+        held = present_layers(snapshots)
+        if all(h or not ref.present for h, ref in zip(held, record.layers)):
+            return
+        layers = [ref.model_copy(update={"present": ref.present and h}) for ref, h in zip(record.layers, held)]
+        try:
+            if self.filing.refile(node.id, record.file, record.model_copy(update={"layers": layers})):
+                self.counts["records_lowered"] += 1
+        except PromptStoreError as e:  # a full disk: the next read says so again
+            log.debug("record of node %s not lowered: %s", node.key.hex()[:12], e)
 
     def _first_to_finish(self, node: Node, pending) -> bool:
         with self.lock:
@@ -641,7 +671,7 @@ class Tiers:
     def _bad_file(self, node: Node, error: ColdFileError) -> None:
         """A miss: report it, quarantine the file, and stop pointing at it."""
         self.report(error.reason, node.key, str(error))
-        self.filing.quarantine(node.id, error)
+        self.filing.quarantine(node, error)
         if error.reason != "missing":  # a missing file is only unfiled
             self.meter.add(quarantined_files=1)
 
@@ -676,15 +706,54 @@ class Tiers:
                 if self.pending.get(key) is job:
                     del self.pending[key]
                 self.stranded.pop(key, None)
+                self.refused.discard(key)
 
     def _failed(self, job: SpillJob) -> None:
+        """A write the disk refused (or a bug): the node stays in memory, and the
+        writer hands it over again after the disk's back-off (_retry_refused). Not
+        a miss: nothing was asked of the node; the disk's health says it once."""
         key = job.node.key
         with self.lock:
             if self.pending.get(key) is job:
                 del self.pending[key]
             if key not in self.hot:
                 self.stranded[key] = job
-        self.report("disk", key, str(job.error))
+            self.refused.add(key)
+        self.counts["spills_refused"] += 1
+
+    def _retry_refused(self) -> int:
+        """Offer the writer the nodes the disk refused (writer thread, after the
+        back-off); returns how many wait for it, queued or not."""
+        jobs = self._refused_jobs()
+        for job in jobs:
+            if not self._offer(job):
+                break  # the queue is full: the rest wait for the next retry
+        return len(jobs)
+
+    def _refused_jobs(self) -> list[SpillJob]:
+        with self.lock:
+            keys = list(self.refused)
+        jobs = []
+        for key in keys:
+            job = self._refused_job(key)
+            if job is None:
+                with self.lock:
+                    self.refused.discard(key)  # written, dropped or evicted meanwhile
+            else:
+                jobs.append(job)
+        return jobs
+
+    def _refused_job(self, key: bytes) -> SpillJob | None:
+        with self.lock:
+            if key in self.pending:
+                return None  # on its way already
+            job = self.stranded.get(key)
+        if job is not None:
+            return SpillJob(job.node, job.snapshots, job.present)
+        entry = self.hot.entries.get(key)
+        if entry is None or not entry.dirty or entry.node is None:
+            return None
+        return SpillJob(entry.node, entry.snapshots)
 
     # --- budgets and shutdown -------------------------------------------------------
 
@@ -719,16 +788,42 @@ class Tiers:
             hot_bytes=nbytes,
             retention=self.retention_figures(),
             compact_written_bytes=self.counts["compact_written_bytes"],
+            disk=self.disk_figures(),
             **figures,
         )
 
-    def flush(self) -> None:
-        """Wait for queued spills; retry ones the disk refused."""
-        self.writer.flush()
+    def disk_figures(self) -> DiskFigures:
+        """What the disk refused, whether it refuses now, and what waits for it in memory."""
+        state = self.disk.state()
         with self.lock:
-            retry = list(self.stranded.values())
+            keys = list(self.refused)
+            stranded = {k: j for k, j in self.stranded.items() if k in self.refused}
+        waiting = [sum(s.nbytes for s in j.snapshots if s is not None) for j in stranded.values()]
+        for key in keys:
+            entry = self.hot.entries.get(key)
+            if key not in stranded and entry is not None and entry.dirty:
+                waiting.append(entry.nbytes)
+        since = self.disk.clock() - state.since if state.since is not None else 0.0
+        return DiskFigures(
+            state.refusing,
+            since,
+            state.reason,
+            state.refused_writes,
+            state.refused_bytes,
+            state.deferred_writes,
+            len(waiting),
+            sum(waiting),
+        )
+
+    def flush(self) -> None:
+        """Wait for queued spills; retry ones the disk refused (one try at once,
+        whatever the back-off: the disk may have room again)."""
+        self.writer.flush()
+        retry = self._refused_jobs()
+        if retry:
+            self.disk.try_now()
         for job in retry:
-            self._submit(SpillJob(job.node, job.snapshots))
+            self._submit(job)
         self.writer.flush()
         self.filing.settle()
         if self.remote is not None:
@@ -807,13 +902,23 @@ class Tiers:
         return True
 
     def unwritten(self) -> tuple[int, int]:
-        """Nodes, and their bytes, held in memory only. After close(), which
-        spills every node, these are the ones the disk refused: lost with the process."""
+        """Nodes, and their bytes, held in memory only: neither a file of their own
+        nor one a split left them names their data. After close(), which spills
+        every node, these are the ones the disk refused: lost with the process."""
         with self.lock:
             stranded = [j for k, j in self.stranded.items() if k not in self.hot]
-        dirty = self.hot.dirty_entries()
-        nbytes = sum(e.nbytes for e in dirty) + sum(s.nbytes for j in stranded for s in j.snapshots if s is not None)
-        return len(dirty) + len(stranded), nbytes
+        held = [(e.node, e.nbytes) for e in self.hot.dirty_entries()]
+        held += [(j.node, sum(s.nbytes for s in j.snapshots if s is not None)) for j in stranded]
+        lost = [nbytes for node, nbytes in held if not self._filed_as(node)]
+        return len(lost), sum(lost)
+
+    def _filed_as(self, node: NodeId | None) -> bool:
+        """Whether the index names a file for this node as it is (its own, or a wider one)."""
+        try:
+            now = self.index.get(node.key) if node is not None else None
+            return now is not None and now.id == node and bool(now.record.file)
+        except PromptStoreError:
+            return False
 
     def close(self) -> None:
         if self._ticker is not None:

@@ -41,7 +41,7 @@ def _write_meta(path, value: bytes) -> None:
     raw.close()
 
 
-@pytest.mark.parametrize("found", [b"3", b"999", b"x1"])
+@pytest.mark.parametrize("found", [b"4", b"999", b"x1"])
 def test_unknown_schema_is_refused(tmp_path, found):
     path = tmp_path / "index"
     with Index.open(path, sync=False) as ix:
@@ -56,7 +56,7 @@ def test_unknown_schema_is_refused(tmp_path, found):
 
 def test_newer_store_is_not_touched(tmp_path):
     path = tmp_path / "index"
-    _write_meta(path, b"3")
+    _write_meta(path, b"4")
     with pytest.raises(SchemaVersionError):
         Index.open(path)
     raw = lmdb.open(str(path), max_dbs=8)

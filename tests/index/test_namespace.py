@@ -75,3 +75,18 @@ def test_namespaces_never_share_nodes(index, spaces):
     for ns in (kv, salted):
         assert all(node.namespace == ns.key for node in index.lookup(ns, [1, 2, 3]).path)
     assert index.counters(kv)["nodes"] == index.counters(salted)["nodes"] == 1
+
+
+def test_dropping_a_namespace_drops_its_notes_and_no_other(tmp_path):
+    """A namespace dropped (the schema 1 upgrade) leaves no note a later bind of the
+    same fingerprint would read (the weights it was bound with, its rates)."""
+    from promptstore.index import Index, trie
+
+    with Index.open(tmp_path / "index", sync=False) as ix:
+        gone, kept = ix.register_namespace(SPECS[0]), ix.register_namespace(SPECS[1])
+        for ns in (gone, kept):
+            ix.set_note(ns, "weights-fingerprint", b"w")
+            ix.set_note(ns, "rates", b"r")
+        ix._env.write(lambda txn, _: trie.drop_namespace(txn, ix._env.dbs, gone.key))
+        assert ix.note(gone, "weights-fingerprint") is None and ix.note(gone, "rates") is None
+        assert ix.note(kept, "weights-fingerprint") == b"w" and ix.note(kept, "rates") == b"r"

@@ -233,7 +233,7 @@ def test_compact_leaves_this_processs_inflight_spill_alone(tmp_path, monkeypatch
             go_on.set()
         store.flush()
         assert "temporary files" not in report.actions, report.actions
-        assert store.tiers.counts["miss_disk"] == 0, list(store.tiers.reports)
+        assert store.tiers.counts["spills_refused"] == 0, list(store.tiers.reports)
 
 
 def _chain_of_two(root):

@@ -112,6 +112,10 @@ class Server:
         with httpx.Client(trust_env=False, timeout=10) as http:
             return http.get(self.url + "/health").status_code
 
+    def health_body(self) -> dict:
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            return http.get(self.url + "/health").json()
+
     def client(self, api_key: str = "none") -> OpenAI:
         http = httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S)
         return OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, http_client=http)

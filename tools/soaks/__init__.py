@@ -1,0 +1,1 @@
+"""Sections of tools/soak.py, one module each."""
