@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import os
 import secrets
 import stat
@@ -26,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -36,7 +34,7 @@ from ..errors import CacheError, ColdFileError, DiskWriteError
 from ..identity import NodeId
 from . import device, reader
 from .pool import ProcessPool
-from .safetensors_header import header_of_bytes, header_of_fd, open_regular
+from .safetensors_header import header_of_fd, open_regular
 from .safetensors_writer import write_safetensors
 
 log = logging.getLogger("promptstore.snapshots")
@@ -388,78 +386,6 @@ def checked_snapshots(rel: str, arrays: dict[str, mx.array], record, span: tuple
     if any(s is not None and (s.start, s.end) != (start, end) for s in snapshots):
         raise ColdFileError(f"{rel}: snapshots do not span [{start}, {end})", "identity", rel)
     return snapshots
-
-
-# --- a node file's bytes held in memory (a blob the remote tier fetched) ------------------
-
-NUMPY_DTYPES = {
-    "BOOL": np.bool_,
-    "U8": np.uint8,
-    "I8": np.int8,
-    "U16": np.uint16,
-    "I16": np.int16,
-    "F16": np.float16,
-    "BF16": np.uint16,  # numpy has no bfloat16: the bits, viewed as such in MLX
-    "U32": np.uint32,
-    "I32": np.int32,
-    "F32": np.float32,
-    "U64": np.uint64,
-    "I64": np.int64,
-}
-
-
-def load_bytes(data: memoryview, node: NodeId, rel: str) -> list[Snapshot]:
-    """The verified snapshots of a node file's bytes held in memory, checked as
-    `ColdTier.load` checks a file (header, the node's identity, the record, every
-    array's xxh3-128 over its bytes) before any array is made from them; else
-    ColdFileError. rel: what errors call the bytes."""
-    try:
-        header, metadata, base = header_of_bytes(data)
-    except (ValueError, RecursionError) as e:
-        raise ColdFileError(f"{rel}: bad header: {e}", "header", rel) from None
-    meta = checked_identity(metadata, rel, node)
-    record = checked_record(rel, meta, header, metadata)
-    placed = _placed_bytes(data, header, base, rel) if parallel_reads() else None
-    if placed is not None:
-        arrays, sums = placed
-    else:
-        spans = {
-            name: (base + info["data_offsets"][0], base + info["data_offsets"][1]) for name, info in header.items()
-        }
-        sums = span_checksums(data, spans)
-    for name in header:
-        if sums[name] != meta.checksums[name]:
-            raise ColdFileError(f"{rel}: array {name!r} fails its checksum", "checksum", rel)
-    if placed is None:
-        arrays = {name: _array_of(data, spans[name][0], info) for name, info in header.items()}
-        mx.eval(list(arrays.values()))
-        device.prefetch(arrays.values())
-    return checked_snapshots(rel, arrays, record, (node.start, node.end))
-
-
-def _placed_bytes(data: memoryview, header: dict, base: int, rel: str) -> tuple[dict, dict] | None:
-    """The arrays of a node file's bytes in memory, placed by the reading threads
-    (on CUDA: through pinned buffers to the device, at the bus's speed, where
-    `mx.array` of the host bytes goes through managed memory at about 2.5 GB/s),
-    and their digests, taken as the bytes went by; None where the device or MLX
-    failed (the caller copies them itself), ColdFileError where the bytes end
-    before an array does."""
-    try:
-        return reader.BytesRead(data, header, base).result()
-    except OSError as e:  # ShortRead: the bytes, not the device
-        raise ColdFileError(f"{rel}: unreadable: {e}", "unreadable", rel) from None
-    except Exception as e:  # the device or MLX, not the bytes
-        log.warning("%s: promptstore's reader failed (%s); the bytes are copied into MLX", rel, e)
-        return None
-
-
-def _array_of(data: memoryview, offset: int, info: dict) -> mx.array:
-    """One tensor of checked bytes, copied into an MLX array."""
-    shape, dtype = info["shape"], info["dtype"]
-    flat = np.frombuffer(data, NUMPY_DTYPES[dtype], math.prod(shape), offset) if math.prod(shape) else None
-    host = flat.reshape(shape) if flat is not None else np.zeros(shape, NUMPY_DTYPES[dtype])
-    array = mx.array(host)
-    return array.view(mx.bfloat16) if dtype == "BF16" else array
 
 
 class ColdTier:

@@ -17,7 +17,7 @@ from promptstore.errors import ColdFileError, RemoteError
 from promptstore.identity import NodeId
 from promptstore.snapshots import ColdTier, reader
 from promptstore.snapshots import cold as cold_module
-from promptstore.snapshots.cold import load_bytes
+from promptstore.snapshots.blob import load_bytes
 from promptstore.snapshots.remote.keys import BLOB_PREFIX
 from promptstore.snapshots.remote.seal import Assembly, seal_pieces
 from promptstore.testing.models import tiny_model

@@ -33,7 +33,7 @@ from common import time_calls  # noqa: E402
 
 from promptstore.caches import make_prompt_cache, snapshot_prompt_cache  # noqa: E402
 from promptstore.identity import NodeId  # noqa: E402
-from promptstore.snapshots import ColdTier, cold, reader  # noqa: E402
+from promptstore.snapshots import ColdTier, blob, cold, reader  # noqa: E402
 from promptstore.snapshots.remote import cluster, seal, tier  # noqa: E402
 from promptstore.snapshots.remote.keys import BLOB_PREFIX  # noqa: E402
 from promptstore.testing.models import llama_1b_shape  # noqa: E402
@@ -44,8 +44,8 @@ STAGES = [  # (module or class, function, label)
     (cluster, "_read_values", "one shard's values read"),
     (seal.Assembly, "_open", "one piece opened"),
     (tier.RemoteTier, "_verified", "the blob verified into arrays"),
-    (cold, "_placed_bytes", "placed by the reading threads"),
-    (cold, "_array_of", "one array copied by mx.array"),
+    (blob, "_placed_bytes", "placed by the reading threads"),
+    (blob, "_array_of", "one array copied by mx.array"),
 ]
 
 
@@ -62,14 +62,14 @@ def check(tmp: Path) -> None:
     before = cold.PARALLEL_READS
     try:
         cold.PARALLEL_READS = True
-        placed = cold.load_bytes(raw, node, "check")
+        placed = blob.load_bytes(raw, node, "check")
         cold.PARALLEL_READS = False
-        copied = cold.load_bytes(raw, node, "check")
+        copied = blob.load_bytes(raw, node, "check")
         cold.PARALLEL_READS = True
         bad = bytearray(raw)
         bad[len(bad) // 2] ^= 1
         try:
-            cold.load_bytes(memoryview(bytes(bad)), node, "check")
+            blob.load_bytes(memoryview(bytes(bad)), node, "check")
             caught = None
         except cold.ColdFileError as e:
             caught = e.reason

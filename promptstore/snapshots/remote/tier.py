@@ -36,7 +36,8 @@ from redis.retry import Retry
 from ...caches import Snapshot, present_layers
 from ...errors import ColdFileError, RemoteError
 from ...identity import NodeId
-from ..cold import NODE_KEY, ColdTier, NodeFileMeta, load_bytes
+from ..blob import load_bytes
+from ..cold import NODE_KEY, ColdTier, NodeFileMeta
 from ..safetensors_header import MAX_HEADER, header_of_bytes
 from .cluster import SCHEMES as CLUSTER_SCHEMES
 from .cluster import ClusterClient, ClusterURL, read_values
