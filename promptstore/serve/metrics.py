@@ -246,6 +246,10 @@ def _disk(m: StoreMetrics):
     yield _counter(
         "promptstore_disk_deferred_writes", "Writes held back while the disk refused (its back-off)", d.deferred_writes
     )
+    yield _counter(
+        "promptstore_unwritten_dropped", "Refused nodes let go when what waited outgrew hot_bytes", d.dropped_nodes
+    )
+    yield _counter("promptstore_unwritten_dropped_bytes", "Bytes of the refused nodes let go", d.dropped_bytes)
     for name, doc, value in (
         ("promptstore_disk_refusing", "1 while the disk refuses writes (the store is degraded)", int(d.refusing)),
         (

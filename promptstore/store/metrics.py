@@ -107,6 +107,8 @@ class DiskFigures:
         deferred_writes: writes held back while it refused (its back-off).
     unwritten_nodes, unwritten_bytes: nodes the disk refused that are held in
         memory only now (a stop loses them unless the disk takes them by then).
+    dropped_nodes, dropped_bytes: refused nodes let go because what waited for
+        the disk outgrew hot_bytes (a long spell): lost, so memory stays bounded.
     """
 
     refusing: bool = False
@@ -117,6 +119,8 @@ class DiskFigures:
     deferred_writes: int = 0
     unwritten_nodes: int = 0
     unwritten_bytes: int = 0
+    dropped_nodes: int = 0
+    dropped_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -719,7 +719,26 @@ class Tiers:
             if key not in self.hot:
                 self.stranded[key] = job
             self.refused.add(key)
+            overflow = self._stranded_over_budget()
         self.counts["spills_refused"] += 1
+        for lost in overflow:
+            self.meter.add(unwritten_dropped_nodes=1, unwritten_dropped_bytes=_job_bytes(lost))
+            self.dropped.append(lost.node)  # retire_dropped takes its index entry
+
+    def _stranded_over_budget(self) -> list[SpillJob]:
+        """What memory keeps for a disk that refuses is bounded too: past hot_bytes
+        of them (a long spell), the oldest refused nodes go (lost, and counted) rather
+        than the process's memory. Under self.lock."""
+        total = sum(_job_bytes(j) for j in self.stranded.values())
+        gone = []
+        for key in list(self.stranded):
+            if total <= self.settings.hot_bytes:
+                break
+            job = self.stranded.pop(key)
+            self.refused.discard(key)
+            total -= _job_bytes(job)
+            gone.append(job)
+        return gone
 
     def _retry_refused(self) -> int:
         """Offer the writer the nodes the disk refused (writer thread, after the
@@ -798,12 +817,13 @@ class Tiers:
         with self.lock:
             keys = list(self.refused)
             stranded = {k: j for k, j in self.stranded.items() if k in self.refused}
-        waiting = [sum(s.nbytes for s in j.snapshots if s is not None) for j in stranded.values()]
+        waiting = [_job_bytes(j) for j in stranded.values()]
         for key in keys:
             entry = self.hot.entries.get(key)
             if key not in stranded and entry is not None and entry.dirty:
                 waiting.append(entry.nbytes)
         since = self.disk.clock() - state.since if state.since is not None else 0.0
+        dropped = self.meter.counts("unwritten_dropped_nodes", "unwritten_dropped_bytes")
         return DiskFigures(
             state.refusing,
             since,
@@ -813,6 +833,8 @@ class Tiers:
             state.deferred_writes,
             len(waiting),
             sum(waiting),
+            dropped["unwritten_dropped_nodes"],
+            dropped["unwritten_dropped_bytes"],
         )
 
     def flush(self) -> None:
@@ -930,3 +952,7 @@ class Tiers:
         self.filing.settle()
         if self.remote is not None:
             self.remote.close()  # waits (bounded) for queued publishes
+
+
+def _job_bytes(job: SpillJob) -> int:
+    return sum(s.nbytes for s in job.snapshots if s is not None)

@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 
 from promptstore import PromptStore
+from promptstore.errors import DiskWriteError
 from promptstore.snapshots import cold, safetensors_writer
 from promptstore.store.compact import compact
 
@@ -182,3 +183,37 @@ def test_a_full_disk_costs_no_stored_state_of_any_cache_kind(small_disk, model_o
         insert_following_checkpoints(space, model, B, checkpoints=[9])
         assert restored(space) == before
     assert problems(root) == {}
+
+
+def test_what_waits_for_a_refusing_disk_stays_within_the_memory_budget(tmp_path, model_of, monkeypatch):
+    """A long spell: nodes memory evicts and the disk refuses wait in memory, but
+    no more than hot_bytes of them; the oldest go (counted), the process's memory
+    stays bounded, and what is served is still a prefill's state."""
+    model = model_of("llama")
+    budget = 256 << 10  # about two of these prompts' nodes
+    with PromptStore.open(tmp_path, durability="write_back", hot_bytes=budget, warm_start=False) as store:
+        space = store.bind(model, model_id="m")
+
+        def refused(*args, **kwargs):
+            raise DiskWriteError("could not write: No space left on device")
+
+        monkeypatch.setattr(store.tiers.cold, "write", refused)
+        prompts = [prompt_tokens(300, seed=80 + i) for i in range(12)]
+        for tokens in prompts:
+            turn(space, model, tokens)
+            with store.tiers.lock:
+                waiting = sum(
+                    sum(s.nbytes for s in j.snapshots if s is not None) for j in store.tiers.stranded.values()
+                )
+            assert waiting <= budget
+        disk = store.disk()
+        assert disk.refusing and disk.dropped_nodes > 0 and disk.dropped_bytes > 0
+        assert_hit_whole(space, model, prompts[-1])  # the newest is still in memory
+        monkeypatch.undo()
+    assert problems(tmp_path) == {}
+    with PromptStore.open(tmp_path, warm_start=False) as store:  # what the close wrote serves as a prefill's
+        space = store.bind(model, model_id="m")
+        assert_hit_whole(space, model, prompts[-1])
+        for tokens in prompts[:-1]:
+            hit = space.fetch(tokens)
+            assert hit.length in (0, len(tokens) - 1)
