@@ -64,7 +64,7 @@ test-gpu:
 # The cold path's tests (reads, checksums, plans, warm start, corruption, crashes)
 # 20 times in a row, each test under a 120 s bound, while the whole suite runs
 # beside them: on 2 cores, about 20 minutes. Any failure or hang fails the target.
-COLD_TESTS := tests/snapshots/test_cold.py tests/snapshots/test_reader.py tests/store/test_cold_plan.py tests/store/test_warm.py \
+COLD_TESTS := tests/snapshots/test_cold.py tests/snapshots/test_reader.py tests/store/test_cold_plan.py tests/store/test_warm_start.py \
 	tests/store/test_corruption.py tests/store/test_crash.py tests/store/test_tiers.py
 cold-stress: setup redis
 	@tmp=$$(mktemp -d); \

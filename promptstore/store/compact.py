@@ -305,7 +305,7 @@ class Compactor:
 
     def budget(self, max_bytes: int) -> None:
         """Evict leaves, least valuable first, until each tenant's files fit `max_bytes`."""
-        tenants = self.tiers.cold_by_tenant().values()
+        tenants = self.tiers.budget.by_tenant().values()
         over = sum(max(sum(n.record.nbytes for n in nodes) - max_bytes, 0) for nodes in tenants)
         if not over:
             return
@@ -313,7 +313,7 @@ class Compactor:
         if self.dry:
             self.report.add("evict", target, "over budget", nbytes=over)
             return
-        nodes, freed = self.tiers.evict_cold(max_bytes)
+        nodes, freed = self.tiers.budget.evict(max_bytes)
         self.report.add("evict", target, "over budget", nodes=nodes, files=nodes, nbytes=freed)
 
     def counters(self) -> None:
@@ -335,10 +335,10 @@ class Compactor:
         """With a remote tier: forget published blobs the server no longer has, and
         report what this store published and what of it is stale."""
         if not self.dry:
-            dropped = self.tiers.prune_remote_ledger()
+            dropped = self.tiers.remote.prune_ledger()
             if dropped:
                 self.report.add("forget", "remote ledger", "remote blobs gone from the server", files=dropped)
-        self.report.remote = self.tiers.remote_summary(lambda key: self.index.get(key) is not None)
+        self.report.remote = self.tiers.remote.summary(lambda key: self.index.get(key) is not None)
 
     @property
     def idle(self) -> bool:

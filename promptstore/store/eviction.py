@@ -9,10 +9,13 @@ to keep (retention.py) go after every other, and only while over budget.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Hashable
 
-from ..index import Node
+from ..index import Index, Node
 from ..snapshots.value import value
+from .filing import Filing, filed
+from .keeping import Keeping
 
 
 def evict_tenant(
@@ -61,3 +64,60 @@ def evict_tenant(
     if dearest is not None:
         passed_over(sum(1 for e in heap if e[0] and e[1] < dearest and e[3] in nodes))
     return removed, freed
+
+
+class ColdBudget:
+    """Each tenant's files against the disk budget (disk_bytes, or compact's
+    --max-bytes): least valuable leaves first, retained ones last.
+
+    tenant: whose budget a namespace's nodes count against; forget: drops a
+    retired node's snapshots from memory; evicted: told the (nodes, bytes) gone.
+    """
+
+    def __init__(
+        self,
+        index: Index,
+        filing: Filing,
+        keeping: Keeping,
+        tenant: Callable[[bytes], Hashable],
+        forget: Callable[[bytes], None],
+        evicted: Callable[[int, int], None],
+    ):
+        self.index, self.filing, self.keeping = index, filing, keeping
+        self.tenant, self.forget, self.evicted = tenant, forget, evicted
+
+    def filed_bytes(self) -> int:
+        """Bytes of every node with a file, as their records say."""
+        return sum(n.record.nbytes for n in filed(self.index.iter_by_access()))
+
+    def by_tenant(self) -> dict[Hashable, list[Node]]:
+        """Nodes with files, least recently used first, by tenant."""
+        out = defaultdict(list)
+        for node in filed(self.index.iter_by_access()):
+            out[self.tenant(node.namespace)].append(node)
+        return out
+
+    def evict(self, budget: int) -> tuple[int, int]:
+        """Evict leaves with files until each tenant's are within `budget`. Returns
+        (nodes, bytes) removed."""
+        removed = freed = 0
+        for tenant_nodes in self.by_tenant().values():
+            nodes, nbytes = evict_tenant(
+                tenant_nodes,
+                budget,
+                self.index.is_leaf,
+                self._retire,
+                kept=self.keeping.kept_on_disk,
+                passed_over=self.keeping.passed_over,
+            )
+            removed, freed = removed + nodes, freed + nbytes
+        return removed, freed
+
+    def _retire(self, victim: Node) -> bool:
+        """Remove a leaf over its tenant's budget; False if another process changed it meanwhile."""
+        if self.filing.retire(self.index.namespace(victim.namespace), victim.id) is None:
+            return False
+        self.forget(victim.key)
+        self.keeping.drop(victim.key)
+        self.evicted(1, victim.record.nbytes)
+        return True

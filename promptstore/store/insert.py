@@ -23,17 +23,15 @@ from .. import caches as C
 from ..caches import Snapshot
 from ..errors import (
     CacheError,
-    CacheShapeError,
     CorruptRecordError,
     DiskWriteError,
     IndexDiskError,
     KeyCollisionError,
     StaleInsertError,
-    UnsupportedCacheError,
 )
 from ..identity import NodeId
 from ..index import Index, Namespace, Node, NodeRecord
-from .model import layer_spec
+from .model import check_arrays, check_layout
 from .retention import Marks, covering, marks
 
 if TYPE_CHECKING:
@@ -48,15 +46,6 @@ def _span(snapshots) -> tuple[int, int] | None:
     """The span a node's snapshots cover (of the first layer that has one)."""
     first = next((s for s in snapshots if s is not None), None)
     return None if first is None else (first.start, first.end)
-
-
-def _describe(signature: tuple) -> str:
-    """A `signature()` in words: 'keys float16 [1, 8, 64], ...', a cache list's children in []."""
-    parts = [
-        f"{e[0]} {e[1].rsplit('.', 1)[-1]} {list(e[2])}" if e and isinstance(e[0], str) else f"[{_describe(e)}]"
-        for e in signature
-    ]
-    return ", ".join(parts) or "none"
 
 
 class _SplitDataUnavailable(Exception):
@@ -136,7 +125,7 @@ class Inserter:
             return 0
         path = self.index.lookup(self.namespace, toks[: max(end for end, _ in given)]).path
         for node in path:
-            self.tiers.retain(node, covering(given, node.start))
+            self.tiers.keeping.retain(node, covering(given, node.start))
         return len(path)
 
     def last_insert_phases(self) -> dict[str, float]:
@@ -217,32 +206,10 @@ class Inserter:
         return 0
 
     def _check_cache(self, cache) -> None:
-        """A list of this namespace's cache kinds and layouts, or a typed error."""
-        if not isinstance(cache, (list, tuple)) or not all(isinstance(c, C.SnapshotProtocol) for c in cache):
-            raise UnsupportedCacheError(
-                "insert takes the list of per-layer caches a model ran with "
-                "(promptstore caches: see caches.make_prompt_cache / adopt_prompt_cache)"
-            )
-        dtype = self.dtype
-        given = [layer_spec(c, dtype) for c in cache]
-        if given != list(self.namespace.spec.layers):
-            raise CacheShapeError(
-                f"the cache's layout does not match namespace {self.namespace.hex[:12]}: "
-                f"{len(given)} layers of {[g.kind for g in given][:4]}..."
-            )
+        check_layout(cache, self.namespace, self.dtype)
 
     def _check_arrays(self, cache) -> None:
-        """Every layer's arrays have the dtype, batch size, head count and head dim
-        this model gives them (another model with the same layer kinds, or a batch
-        of 2, would otherwise be stored and later served to this one)."""
-        expected = self.array_signatures()
-        for i, (c, want) in enumerate(zip(cache, expected)):
-            got = c.signature()
-            if got != want:
-                raise CacheShapeError(
-                    f"layer {i}'s arrays are {_describe(got)}, but this namespace's model "
-                    f"makes {_describe(want)} (name, dtype, shape without the token axis)"
-                )
+        check_arrays(cache, self.array_signatures())
 
     def array_signatures(self) -> list:
         """Per-layer `signature()` of a cache this model fills: from a one-token
@@ -263,7 +230,7 @@ class Inserter:
                 continue
             snaps = self._snap_node(cache, node, position)
             record = self._record(snaps, None, node.end - node.start)
-            if self.tiers.refile(node.id, None, record):
+            if self.tiers.filing.refile(node.id, None, record):
                 self._put(node.id, snaps, record.prefill_seconds)
                 self.tiers.count("healed")
 
@@ -296,7 +263,7 @@ class Inserter:
             return 0
         record = self._record(new, prefill_seconds, end - start) if new is not None else None
         with self._phase("index"):
-            result = self.tiers.commit_insert(planned, record, split_records)
+            result = self.tiers.filing.commit_insert(planned, record, split_records)
         if len(toks) == position:
             self._count_checkpoint(position, new if new is not None else uppers if planned.split is not None else None)
         if planned.split is not None:
@@ -366,7 +333,7 @@ class Inserter:
         seconds = node.record.prefill_seconds
         # Until each half's own file is written, both read theirs from the node's:
         # a disk that refuses the new files costs nothing that was stored.
-        upper_file, lower_file = self.tiers.split_files(node, planned.split.at)
+        upper_file, lower_file = self.tiers.filing.split_files(node, planned.split.at)
         upper_rec = self._record(uppers, seconds * frac, 0).model_copy(update=upper_file)
         lower_rec = self._record(lowers, seconds * (1 - frac), 0).model_copy(update=lower_file)
         return (upper_rec, lower_rec), uppers, lowers
@@ -374,8 +341,8 @@ class Inserter:
     def _place_split(self, planned, uppers, lowers) -> None:
         self.tiers.forget(planned.split.key)
         split, ns = planned.split, self.namespace.key
-        self.tiers.split_retention(split.key, split.upper_key)
-        with self.tiers.local():  # new spans: published from here, even when a remote hit's insert split them
+        self.tiers.keeping.split(split.key, split.upper_key)
+        with self.tiers.remote.local():  # new spans: published from here, even when a remote hit's insert split them
             self._put(NodeId(split.upper_key, ns, split.start, split.at), uppers, None)
             self.tiers.shared(split.upper_key)  # the prefix two prompts share
             if any(s is not None for s in lowers):
@@ -419,7 +386,7 @@ class Inserter:
             # merged snapshots are on disk: a refused write loses nothing stored.
             kept = {k: getattr(record, k) for k in ("file", "file_node", "checksum", "tier")}
             new_record = self._record(merged, record.prefill_seconds, 0).model_copy(update=kept)
-            if not self.tiers.refile(node.id, record.file, new_record):
+            if not self.tiers.filing.refile(node.id, record.file, new_record):
                 raise _NodeChanged()  # another process changed it: plan the insert again
             self.tiers.forget(node.key)
             self._put(node.id, merged, record.prefill_seconds)
@@ -440,7 +407,7 @@ class Inserter:
         try:
             self._check_cache(cache)
             self._check_arrays(cache)
-            with self.tiers.from_remote():
+            with self.tiers.remote.from_remote():
                 for link, snaps in zip(got.links, got.snapshots):
                     if link.end <= length or link.start >= end:
                         continue  # held here already, or past the hit

@@ -1,5 +1,6 @@
 """What a namespace reads of a model: its layers' specs, its dtype, its weights' digest
-and fingerprint."""
+and fingerprint; and whether a cache fits it (layout and arrays), before an insert
+stores anything of it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import caches as C
+from ..errors import CacheShapeError, UnsupportedCacheError
 from ..index import LayerSpec
 from ..snapshots import device
 
@@ -86,3 +88,41 @@ def weights_fingerprint(model: nn.Module) -> str:
         h.update(memoryview(copies[name]))
     device.release_host_copies(copies, flush=True)
     return f"{FINGERPRINT_VERSION}:{h.hexdigest()}"
+
+
+def check_layout(cache: Any, namespace, dtype: str) -> None:
+    """A list of `namespace`'s cache kinds and layouts, or a typed error."""
+    if not isinstance(cache, (list, tuple)) or not all(isinstance(c, C.SnapshotProtocol) for c in cache):
+        raise UnsupportedCacheError(
+            "insert takes the list of per-layer caches a model ran with "
+            "(promptstore caches: see caches.make_prompt_cache / adopt_prompt_cache)"
+        )
+    given = [layer_spec(c, dtype) for c in cache]
+    if given != list(namespace.spec.layers):
+        raise CacheShapeError(
+            f"the cache's layout does not match namespace {namespace.hex[:12]}: "
+            f"{len(given)} layers of {[g.kind for g in given][:4]}..."
+        )
+
+
+def check_arrays(cache: Any, expected: list) -> None:
+    """Every layer's arrays have the dtype, batch size, head count and head dim the
+    model gives them (`expected`: its per-layer signatures): another model with the
+    same layer kinds, or a batch of 2, would otherwise be stored and later served
+    to this one."""
+    for i, (c, want) in enumerate(zip(cache, expected)):
+        got = c.signature()
+        if got != want:
+            raise CacheShapeError(
+                f"layer {i}'s arrays are {_describe(got)}, but this namespace's model "
+                f"makes {_describe(want)} (name, dtype, shape without the token axis)"
+            )
+
+
+def _describe(signature: tuple) -> str:
+    """A `signature()` in words: 'keys float16 [1, 8, 64], ...', a cache list's children in []."""
+    parts = [
+        f"{e[0]} {e[1].rsplit('.', 1)[-1]} {list(e[2])}" if e and isinstance(e[0], str) else f"[{_describe(e)}]"
+        for e in signature
+    ]
+    return ", ".join(parts) or "none"

@@ -19,13 +19,14 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import caches as C
-from ..errors import CacheError, CorruptRecordError
+from ..errors import CacheError
 from ..index import Node
 from ..snapshots.page_cache import resident_bytes
 from .plan import Choice, ColdNode, Rates, choose
 
 if TYPE_CHECKING:
     from ..config import Settings
+    from .reads import PathRead
     from .tiers import Tiers
 
 log = logging.getLogger("promptstore.store")
@@ -56,39 +57,38 @@ class Restorer:
     def restore_hit(self, cache: list, path: list[Node], target: int, tokens: np.ndarray) -> Restored | None:
         """Restore `cache` along `path` to at most `target`, loading, recomputing or
         both as `choose` says; None is a miss."""
-        held = 0
-        while held < len(path) and self.tiers.is_held(path[held]):
-            held += 1
+        read = self.tiers.read(path)
+        held = read.held
         if held == len(path):
-            return _restored(self.restore_path(cache, path, target))
+            return _restored(self.restore_path(cache, read, target))
         base = path[held - 1].end if held else 0
         end = min(target, path[-1].end)
-        cold = [self._cold_node(n, min(n.end, end)) for n in path[held:]]
+        cold = [_cold_node(node, min(node.end, end), nbytes, file) for node, nbytes, file in read.files(held)]
         choice = choose(self.rates(), base, cold, self.settings.cold_plan)
         log.debug("cold hit of %d nodes [%d, %d): %s", len(cold), base, end, choice)
         if choice.mode == "recompute":
-            got = self.restore_path(cache, path[:held], base) if held else None
+            got = self.restore_path(cache, read, base, upto=held) if held else None
             return _restored(got, choice) or Restored(0, 0, [], choice=choice)
         if choice.mode == "overlap":
-            done = self._overlap(cache, path, held, base, choice, tokens, end)
+            done = self._overlap(cache, read, base, choice, tokens, end)
             if done is not None:
                 return done
-        return self._load(cache, path, target, choice, cold)
+        return self._load(cache, read, target, choice, cold)
 
-    def restore_path(self, cache, path: list[Node], target: int, loaded=None):
-        """Restore `cache` to the deepest position <= target every layer reaches:
-        (that position, nodes used, nodes read from disk), or None.
+    def restore_path(self, cache, read: PathRead, target: int, loaded=None, upto: int | None = None):
+        """Restore `cache` to the deepest position <= target every layer reaches along
+        read.nodes[:upto]: (that position, nodes used, nodes read from disk), or None.
 
-        loaded: what tiers.get_path(path) gave, when the caller read it already.
+        loaded: what the read gave (PathRead.finish), when the caller read it already.
         """
-        snaps, cold = loaded if loaded is not None else self.tiers.get_path(path)
-        path = path[: len(snaps)]
+        snaps, cold = loaded if loaded is not None else read.snapshots(upto)
+        path = read.nodes[: len(snaps)]
         while path:
             end = min(target, path[-1].end)
             chains = C.restore_chains(snaps, path[-1].end, end)
             if chains is not None and end > path[-1].start and self.restored(cache, chains, end, path[-1]):
                 if end == path[-1].end:
-                    self.tiers.restored_from(path[-1].key)  # its state was worth keeping
+                    read.restored_at(path[-1])  # its state was worth keeping
                 return end, len(path), cold
             path, snaps = path[:-1], snaps[:-1]
             target = path[-1].end if path else 0
@@ -103,41 +103,32 @@ class Restorer:
             self.tiers.report("layout", last.key if last else b"", f"stored snapshots do not fit this namespace: {e}")
             return False
 
-    def _cold_node(self, node: Node, end: int) -> ColdNode:
-        try:
-            nbytes = 0 if self.tiers.is_held(node) else node.record.nbytes
-        except CorruptRecordError:
-            nbytes = 0  # the load reports it
-        path = self.tiers.file_of(node) if nbytes else None
-        resident = resident_bytes(path) if path is not None else 0
-        return ColdNode(node.start, end, nbytes, min(nbytes, resident if resident is not None else 0))
-
-    def _load(self, cache, path, target: int, choice: Choice, cold: list[ColdNode]) -> Restored | None:
+    def _load(self, cache, read: PathRead, target: int, choice: Choice, cold: list[ColdNode]) -> Restored | None:
         rates = self.rates()
         started = time.perf_counter()
-        loaded = self.tiers.finish_path(self.tiers.start_path(path))
-        read = time.perf_counter() - started
-        got = self.restore_path(cache, path, target, loaded)
+        loaded = read.start().finish()
+        read_seconds = time.perf_counter() - started
+        got = self.restore_path(cache, read, target, loaded)
         if got is not None and got[2]:
             mx.eval([c.state for c in cache])  # timed whole: MLX is lazy
-            rates.add_read(cold, read)
-            rates.add("place", sum(n.nbytes for n in cold), time.perf_counter() - started - read)
+            rates.add_read(cold, read_seconds)
+            rates.add("place", sum(n.nbytes for n in cold), time.perf_counter() - started - read_seconds)
         return _restored(got, choice)
 
-    def _overlap(self, cache, path, held: int, base: int, choice: Choice, tokens, end: int) -> Restored | None:
+    def _overlap(self, cache, read: PathRead, base: int, choice: Choice, tokens, end: int) -> Restored | None:
         """Prefill [base, choice.at) while the nodes from choice.at on are read."""
-        rates = self.rates()
+        rates, path = self.rates(), read.nodes
         started = time.perf_counter()
-        if held:
-            got = self.restore_path(cache, path[:held], base)
+        if read.held:
+            got = self.restore_path(cache, read, base, upto=read.held)
             if got is None or got[0] != base:
                 return None  # the held part did not restore whole: load instead
         first = next(i for i, n in enumerate(path) if n.start == choice.at)
-        loading = self.tiers.start_path(path[first:])  # MLX's I/O threads read while the model runs
+        read.start(first)  # MLX's I/O threads read while the model runs
         computing = time.perf_counter()
         self._prefill(cache, tokens, base, choice.at)
         rates.prefilled(base, choice.at, time.perf_counter() - computing)
-        snaps, from_disk = self.tiers.finish_path(loading)
+        snaps, from_disk = read.finish()
         computed = choice.at - base
         tail = path[first : first + len(snaps)]
         length, used = choice.at, first
@@ -148,7 +139,7 @@ class Restorer:
                 mx.eval([c.state for c in cache])
                 length, used = target, first + len(tail)
                 if target == tail[-1].end:
-                    self.tiers.restored_from(tail[-1].key)
+                    read.restored_at(tail[-1])
         estimate = choice.estimates.get(f"overlap@{choice.at}")
         if estimate and length == end:
             rates.add("overlap", estimate / rates.overlap_factor(), time.perf_counter() - started)
@@ -164,3 +155,10 @@ class Restorer:
 
 def _restored(got, choice: Choice | None = None) -> Restored | None:
     return None if got is None else Restored(*got, choice=choice)
+
+
+def _cold_node(node: Node, end: int, nbytes: int, file) -> ColdNode:
+    """A node of a cold hit as the plan weighs it: its file's bytes, and how many of
+    them the page cache holds."""
+    resident = resident_bytes(file) if file is not None else 0
+    return ColdNode(node.start, end, nbytes, min(nbytes, resident if resident is not None else 0))

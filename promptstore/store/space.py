@@ -351,7 +351,7 @@ class Space:
             node = spans.get((link.start, link.end))
             return None if node is None else self.tiers.get(node)
 
-        got = self.tiers.fetch_remote(ns, toks[:-1], length, lambda end: prefix_key(ns, toks[:end]), held)
+        got = self.tiers.remote.fetch(ns, toks[:-1], length, lambda end: prefix_key(ns, toks[:end]), held)
         links, snaps, target = (got.links, got.snapshots, got.length) if got else ([], [], 0)
         while links:
             end = min(target, links[-1].end)

@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import stat
+from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,10 +23,12 @@ import platformdirs
 from ..config import Settings
 from ..errors import StoreDirectoryError, StoreNotWritableError
 from ..index import Index
-from .metrics import DiskFigures, StoreMetrics, WarmStart
+from ..snapshots.remote import RemoteTier
+from .metrics import DiskFigures, Report, StoreMetrics, WarmStart
+from .retention import Retention
 from .space import Space
 from .tiers import Tiers
-from .warm import Warmer
+from .warm_start import Warmer
 
 log = logging.getLogger("promptstore.store")
 WARM_STOP_SECONDS = 30.0  # a close waits this long for the files a warm start is reading
@@ -140,7 +143,7 @@ class PromptStore:
     @property
     def has_remote(self) -> bool:
         """Whether a remote tier is configured: a fetch may then find more than the index says."""
-        return self.tiers.remote is not None
+        return self.tiers.remote.tier is not None
 
     def give_way(self, busy: Callable[[], bool] | None, at_most: float = 1.0) -> None:
         """Background spills pause between chunks while `busy()` is true (a server:
@@ -150,7 +153,7 @@ class PromptStore:
 
     def in_memory(self) -> tuple[int, int]:
         """Nodes, and their bytes, this process holds in memory (the hot tier)."""
-        return self.tiers.in_memory()
+        return self.tiers.memory()
 
     def disk(self) -> DiskFigures:
         """What the disk refused of this process's writes, whether it refuses now (the
@@ -164,6 +167,54 @@ class PromptStore:
     def flush(self) -> None:
         """Wait for queued spills."""
         self.tiers.flush()
+
+    # --- what an operator, a tool or a test reads of the tiers ----------------------
+
+    @property
+    def reports(self) -> list[Report]:
+        """The misses an operator should know of (a bad file, a bad record, a remote
+        fault), the newest last (at most the last 1,000)."""
+        return list(self.tiers.reports)
+
+    @property
+    def counts(self) -> Counter:
+        """This process's counters of the tiers' work (a copy): spills, cold loads,
+        healed nodes, misses by reason (`miss_<reason>`), remote tokens, ..."""
+        return Counter(self.tiers.counts)
+
+    @property
+    def remote(self) -> RemoteTier | None:
+        """The remote tier (docs/remote.md), None without a remote_url."""
+        return self.tiers.remote.tier
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """What retention and the admit durability's idle times read (time.time)."""
+        return self.tiers.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.tiers.clock = clock
+
+    def retention_of(self, key: bytes) -> Retention | None:
+        """The retention class this process keeps a node by (`never_write`,
+        `keep_until`), None without one."""
+        return self.tiers.keeping.of(key)
+
+    def write_due(self) -> int:
+        """Queue for disk what the durability writes now (admit: reused nodes, idle
+        conversations; its thread does it every second); returns the nodes queued."""
+        return self.tiers.write_due()
+
+    def cold_bytes(self) -> int:
+        """Bytes of every node with a file on disk, as the index records them."""
+        return self.tiers.budget.filed_bytes()
+
+    def evict_cold(self, budget: int | None = None) -> tuple[int, int]:
+        """Evict leaves with files, least valuable first (retained ones last), until
+        each tenant's are within `budget` (default: disk_bytes); (nodes, bytes) removed.
+        compact --max-bytes does it for an operator."""
+        return self.tiers.budget.evict(self.settings.disk_bytes if budget is None else budget)
 
     def close(self) -> None:
         """Put everything on disk (whatever the durability) and close the index."""

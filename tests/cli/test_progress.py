@@ -99,7 +99,7 @@ def test_spill_on_close_is_shown(tmp_path, model_of, monkeypatch, capsys):
     line = capsys.readouterr().err.strip()
     assert line.startswith("writing 1 snapshot to disk: ") and " MiB in " in line
     with PromptStore.open(tmp_path) as again:
-        assert again.tiers.cold_bytes() > 0
+        assert again.cold_bytes() > 0
 
 
 def test_a_failed_task_does_not_say_done(monkeypatch, capsys):

@@ -59,12 +59,12 @@ def main(root: str, ops: int, hot_bytes: int, samples: int = 20, n_tokens: int =
                     "op": op,
                     "rss": rss()[0],
                     "rss_anon": rss()[1],
-                    "hot": store.tiers.hot.nbytes,
+                    "hot": store.in_memory()[1],
                     "hot_largest": largest,
                     "active": mx.get_active_memory(),
                     "cache": mx.get_cache_memory(),
-                    "spills": store.tiers.counts["spills"],
-                    "cold_loads": store.tiers.counts["cold_loads"],
+                    "spills": store.counts["spills"],
+                    "cold_loads": store.counts["cold_loads"],
                     "stored": stored,
                 }
                 print(json.dumps(sample), flush=True)

@@ -99,7 +99,7 @@ class Worker:
 
     def close(self):
         if self.store is not None:
-            for r in self.store.tiers.reports:
+            for r in self.store.reports:
                 self.reports[r.reason] += 1
             self.store.close()
             self.store = self.space = None

@@ -233,7 +233,7 @@ def test_compact_leaves_this_processs_inflight_spill_alone(tmp_path, monkeypatch
             go_on.set()
         store.flush()
         assert "temporary files" not in report.actions, report.actions
-        assert store.tiers.counts["spills_refused"] == 0, list(store.tiers.reports)
+        assert store.counts["spills_refused"] == 0, list(store.reports)
 
 
 def _chain_of_two(root):
@@ -249,7 +249,7 @@ def _chain_of_two(root):
 def _assert_chain_serves_from_disk(root, model):
     with PromptStore.open(root, hot_bytes=0) as store:
         length, err = continuation_error(store.bind(model, model_id="m"), model, BASE[:50])
-        assert (length, list(store.tiers.reports)) == (48, []) and err < TOL
+        assert (length, list(store.reports)) == (48, []) and err < TOL
 
 
 def test_compact_joins_only_the_pair_it_merged(tmp_path, monkeypatch):

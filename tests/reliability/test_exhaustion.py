@@ -50,7 +50,7 @@ def assert_all_served(root, model, seqs, sample=None):
         for tokens in seqs[:: max(1, len(seqs) // (sample or len(seqs)))]:
             length, err = continuation_error(space, model, mx.concatenate([tokens, tokens[:2]]))
             assert length == len(tokens) and err < TOL
-        assert not store.tiers.reports, list(store.tiers.reports)
+        assert not store.reports, list(store.reports)
 
 
 @pytest.mark.parametrize("durability", ["write_through", "write_back", "sync"])
@@ -71,7 +71,7 @@ def test_a_full_map_grows_and_loses_nothing(tmp_path, durability):
                 assert all(space.fetch(t).length == len(t) - 1 for t in seqs[: i + 1])
         stats = store.index.stats()
         assert stats["used_bytes"] > TINY_MAP and stats["map_size"] > TINY_MAP  # it had to grow
-        assert not store.tiers.reports, list(store.tiers.reports)
+        assert not store.reports, list(store.reports)
     assert_all_served(tmp_path, model, seqs, sample=10)
 
 
@@ -122,7 +122,7 @@ def test_map_grown_by_another_process_under_an_open_store(tmp_path):
         more = family_of_sequences(8, seed=3)
         for tokens in more:
             prefill_insert(space, model, tokens)
-        assert not store.tiers.reports, list(store.tiers.reports)
+        assert not store.reports, list(store.reports)
     assert_all_served(tmp_path, model, mine + theirs + more, sample=8)
 
 
@@ -163,13 +163,13 @@ def test_hot_budget_zero_with_write_back(tmp_path):
         space = store.bind(model, model_id=MODEL_ID)
         for tokens in seqs:
             prefill_insert(space, model, tokens)
-            assert store.tiers.hot.nbytes == 0 and len(store.tiers.hot) == 0
+            assert store.in_memory()[1] == 0 and len(store.tiers.hot) == 0
         store.flush()  # (before the flush a node being published can miss: see the next test)
         for tokens in seqs:
             length, err = continuation_error(space, model, mx.concatenate([tokens, tokens[:3]]))
             assert length == len(tokens) and err < TOL
-        assert store.tiers.hot.nbytes == 0
-        assert not store.tiers.reports, list(store.tiers.reports)
+        assert store.in_memory()[1] == 0
+        assert not store.reports, list(store.reports)
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
         space = store.bind(model, model_id=MODEL_ID)
         nodes = list(store.index.iter_nodes(space.namespace))
@@ -273,8 +273,8 @@ def test_writer_queue_of_one_with_nothing_hot(tmp_path):
         for tokens in seqs:
             prefill_insert(space, model, tokens)
         store.flush()
-        assert not store.tiers.pending and not store.tiers.stranded
-        assert not store.tiers.reports, list(store.tiers.reports)
+        assert not store.tiers.spills.pending and not store.tiers.spills.stranded
+        assert not store.reports, list(store.reports)
     assert_all_served(tmp_path, model, seqs, sample=6)
 
 
@@ -299,6 +299,6 @@ def test_a_close_on_a_disk_that_refuses_every_spill_says_what_is_lost(tmp_path, 
             space = store.bind(model, model_id=MODEL_ID)
             for seed in (2, 3):
                 prefill_insert(space, model, prompt_tokens(24, seed=seed))
-            held = store.tiers.hot.nbytes
+            held = store.in_memory()[1]
     assert store.unwritten == (2, held)
     assert any("2 nodes" in r.getMessage() and "lost" in r.getMessage() for r in caplog.records)

@@ -238,7 +238,7 @@ def test_sliding_window_model_with_several_kv_heads_persists(guard, caplog):
             cache = space.new_cache()
             forward(model, cache, tokens)  # one forward: the usual prefill of a short prompt
             space.insert(tokens, cache)
-            assert not store.tiers.reports, list(store.tiers.reports)
+            assert not store.reports, list(store.reports)
         with PromptStore.open(guard.root, hot_bytes=0) as store:
             space = store.bind(model, model_id=MODEL_ID)
             length, err = continuation_error(space, model, mx.concatenate([tokens, prompt_tokens(3, seed=32)]))
@@ -436,4 +436,4 @@ def test_a_self_consistent_file_of_another_kind_is_a_miss(guard, model_of):
         space = store.bind(model, model_id=MODEL_ID)
         length, err = continuation_error(space, model, tokens)
         assert length == 0 and err < TOL
-        assert [r.reason for r in store.tiers.reports]
+        assert [r.reason for r in store.reports]

@@ -38,7 +38,7 @@ for step in ("before", "after"):
             print(step, "typed", type(e).__name__)
         else:
             err = mx.abs(forward(model, hit.cache, base[hit.length:]) - want).max().item()
-            reasons = sorted({r.reason for r in store.tiers.reports})
+            reasons = sorted({r.reason for r in store.reports})
             print(step, "hit", hit.length, "ok" if err < 1e-4 else f"WRONG {err}", ",".join(reasons) or "-")
     if step == "before":
         report = compact(sys.argv[1], max_bytes=1 << 30, verify=True)

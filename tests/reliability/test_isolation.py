@@ -85,7 +85,7 @@ class Spy:
 def assert_isolated(store, attacker, victim, victim_keys, monkeypatch):
     """Every probe: a miss on the path of a never-stored prefix, touching nothing of the victim's."""
     spy = Spy(monkeypatch, store)
-    loads, reports = store.tiers.counts["cold_loads"], len(store.tiers.reports)
+    loads, reports = store.counts["cold_loads"], len(store.reports)
     victim_counters = store.index.counters(victim.namespace)
     hot_clock = store.tiers.hot.clock
     for name, tokens in probes().items():
@@ -99,7 +99,7 @@ def assert_isolated(store, attacker, victim, victim_keys, monkeypatch):
         match = store.index.lookup(attacker.namespace, tokens)
         assert (match.path, match.matched, match.restorable, match.corrupt) == ([], 0, 0, []), name
     assert spy.tier_gets == 0  # no snapshot, hot or cold, was even looked at
-    assert store.tiers.counts["cold_loads"] == loads and len(store.tiers.reports) == reports
+    assert store.counts["cold_loads"] == loads and len(store.reports) == reports
     assert store.tiers.hot.clock == hot_clock  # not even a hot-tier lookup
     assert store.index.counters(victim.namespace) == victim_counters  # the victim's hit/miss counters did not move
     assert list(store.index.iter_nodes(attacker.namespace)) == []

@@ -16,7 +16,7 @@ def publish(path, url, model, tokens, salt=None, **settings):
         cache = space.new_cache()
         forward(model, cache, tokens)
         space.insert(tokens, cache)
-        remote = store.tiers.remote
+        remote = store.remote
     return dict(remote.counts)  # after close, which waited for the publish
 
 

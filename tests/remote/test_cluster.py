@@ -38,7 +38,7 @@ def test_a_prefix_inserted_by_a_is_restored_by_b(tmp_path, redis_cluster, model_
         space = b.bind(model, model_id="m")
         hit = space.fetch(tokens)
         assert (hit.length, hit.remote_tokens) == (prefix, prefix)
-        assert b.tiers.remote.last_round_trips <= 3, "one step per round trip, whatever the shards"
+        assert b.remote.last_round_trips <= 3, "one step per round trip, whatever the shards"
         assert_faithful(model, hit, tokens)
         assert (space.fetch(tokens).length, space.last_hit.remote_tokens) == (prefix, 0)
 
@@ -131,7 +131,7 @@ def test_paused_primaries_cost_a_bounded_wait(tmp_path, own_redis_cluster, model
             s.proc.send_signal(signal.SIGSTOP)
         try:
             started = time.monotonic()
-            assert space.fetch(tokens).length == 0 and "remote_down" in {r.reason for r in b.tiers.reports}
+            assert space.fetch(tokens).length == 0 and "remote_down" in {r.reason for r in b.reports}
             assert time.monotonic() - started < HANG_GUARD
             cache = fresh_cache(model)
             forward(model, cache, tokens[:CHUNK])
@@ -140,7 +140,7 @@ def test_paused_primaries_cost_a_bounded_wait(tmp_path, own_redis_cluster, model
             for s in primaries:
                 s.proc.send_signal(signal.SIGCONT)
         cluster.wait_ok()
-        b.tiers.remote._down_until = 0.0  # do not wait out the retry pause
+        b.remote._down_until = 0.0  # do not wait out the retry pause
         hit = space.fetch(tokens)
         assert (hit.length, hit.remote_tokens) == (prefix, prefix)
         assert_faithful(model, hit, tokens)
@@ -212,7 +212,7 @@ def test_what_this_store_published_is_counted_over_every_shard(tmp_path, redis_c
         publish(tmp_path / "a", redis_cluster.url, model, prompt_tokens(CHUNK + 40, seed=70 + i))
     assert connect(redis_cluster.url, 0.5).ping()
     with promptstore.PromptStore.open(tmp_path / "a", remote_url=redis_cluster.url) as a:
-        remote = a.tiers.remote
+        remote = a.remote
         summary = remote.summary(lambda key: a.index.get(key) is not None)
         assert (summary["published"], summary["on_server"], summary["evicted"]) == (4, 4, 0)
         redis_cluster.flushall()
@@ -228,7 +228,7 @@ def test_a_node_in_pieces_spreads_over_the_shards(tmp_path, redis_cluster, model
     assert sum(by_shard) > 3 and all(n > 0 for n in by_shard), f"pieces by shard: {by_shard}"
     with promptstore.PromptStore.open(tmp_path / "b", remote_url=redis_cluster.url) as b:
         hit = b.bind(model, model_id="m").fetch(tokens)
-        assert hit.remote_tokens == 280 and not b.tiers.reports
+        assert hit.remote_tokens == 280 and not b.reports
         assert_faithful(model, hit, tokens)
 
 
@@ -245,7 +245,7 @@ def test_a_shard_that_stops_mid_fetch_costs_one_bounded_miss(tmp_path, own_redis
     assert all(any(True for _ in s.client().scan_iter(match=BLOB_PREFIX + "*")) for s in primaries)
     for n, stopped in enumerate(primaries):
         with promptstore.PromptStore.open(tmp_path / f"b{n}", remote_url=cluster.url, remote_timeout=0.2) as b:
-            space, remote = b.bind(model, model_id="m"), b.tiers.remote
+            space, remote = b.bind(model, model_id="m"), b.remote
             remote.client.ping()  # connections open and the slot table read, as a serving store has
             stream = remote._stream
 
@@ -261,7 +261,7 @@ def test_a_shard_that_stops_mid_fetch_costs_one_bounded_miss(tmp_path, own_redis
             finally:
                 stopped.proc.send_signal(signal.SIGCONT)
                 del remote._stream
-            assert miss.length == 0 and "remote_down" in {r.reason for r in b.tiers.reports}, (n, miss)
+            assert miss.length == 0 and "remote_down" in {r.reason for r in b.reports}, (n, miss)
             assert waited < HANG_GUARD
             pools = [node.redis_connection.connection_pool for node in remote.client.topology().get_nodes()]
             assert not any(pool._in_use_connections for pool in pools), f"shard {n}: connections left in use"

@@ -56,10 +56,10 @@ class Traffic:
         tokens = prompt_tokens(PREFIX + 20, seed=900 + len(self.prompts))
         cache = fresh_cache(self.model)
         forward(self.model, cache, tokens[:PREFIX])
-        failed = self.a.tiers.remote.counts["remote_publish_failed"]
+        failed = self.a.remote.counts["remote_publish_failed"]
         self.a_space.insert(tokens[:PREFIX], cache)
         self.a.flush()
-        published = self.a.tiers.remote.counts["remote_publish_failed"] == failed
+        published = self.a.remote.counts["remote_publish_failed"] == failed
         at = time.monotonic()
         hit = self.b_space.fetch(tokens)
         step = Step(at, published, hit.remote_tokens > 0, hit.length, time.monotonic() - at)
@@ -261,7 +261,7 @@ def test_a_shard_paused_costs_bounded_misses_and_local_hits_go_on(tmp_path, own_
         resumed_at = time.monotonic()
         during = [s for s in traffic.steps if paused < s.at < resumed_at]
         resumed = traffic.until_hits(resumed_at)
-        b_counts = dict(b.tiers.remote.counts)
+        b_counts = dict(b.remote.counts)
     assert traffic.wrong == 0, f"{traffic.wrong} hits differ from the prefill"
     assert local and all(lengths == (PREFIX, PREFIX) for lengths in local), f"local hits while paused: {local}"
     assert traffic.misses(paused, resumed_at) > 0, "the pause cost no miss: the shard served nothing?"
@@ -294,8 +294,8 @@ def test_a_full_shard_under_noeviction_refuses_publishes_and_the_rest_works(tmp_
             traffic.step()
         reads = _table_reads(cluster) - reads
         after = [s for s in traffic.steps if s.at > filled]
-        a_counts, a_reasons = dict(a.tiers.remote.counts), {r.reason for r in a.tiers.reports}
-        b_down = b.tiers.remote.counts.get("remote_down", 0)
+        a_counts, a_reasons = dict(a.remote.counts), {r.reason for r in a.reports}
+        b_down = b.remote.counts.get("remote_down", 0)
     refused = int(client.info("errorstats").get("errorstat_OOM", {}).get("count", 0))
     assert traffic.wrong == 0, f"{traffic.wrong} hits differ from the prefill"
     assert refused > 0, "the shard never refused a write"

@@ -46,7 +46,7 @@ with promptstore.PromptStore.open(path, remote_url=url) as store:
     cache = space.new_cache()
     model(longer[None], cache=cache)
     space.insert(longer, cache)
-print(json.dumps({"length": length, "remote": remote, "error": error, "published": dict(store.tiers.remote.counts)}))
+print(json.dumps({"length": length, "remote": remote, "error": error, "published": dict(store.remote.counts)}))
 """
 
 

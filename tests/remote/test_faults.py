@@ -20,7 +20,7 @@ HANG_GUARD = 30.0  # seconds: only a missing timeout takes this long (the waits 
 
 
 def _reasons(store) -> set[str]:
-    return {r.reason for r in store.tiers.reports}
+    return {r.reason for r in store.reports}
 
 
 def _kill_first(monkeypatch, server, method: str):
@@ -60,7 +60,7 @@ def test_server_killed_mid_fetch_then_restarted_empty(tmp_path, redis_server, mo
         # Restarted empty: a miss, then what A publishes again is a hit.
         redis_server.restart_empty()
         other = prompt_tokens(300, seed=2)
-        b.tiers.remote._down_until = 0.0  # do not wait out the retry pause
+        b.remote._down_until = 0.0  # do not wait out the retry pause
         assert space.fetch(other).length == 0
         publish(tmp_path / "a2", redis_server.url, model, other[:280])
         hit = space.fetch(other)
@@ -79,7 +79,7 @@ def test_server_killed_mid_publish(tmp_path, redis_server, model_of, monkeypatch
         forward(model, cache, tokens[:280])
         space.insert(tokens[:280], cache)
         a.flush()
-        assert fired and a.tiers.remote.counts["remote_publish_failed"] == 1
+        assert fired and a.remote.counts["remote_publish_failed"] == 1
         hit = space.fetch(tokens)  # the local tiers serve as before
         assert hit.length == 280
         assert_faithful(model, hit, tokens)
@@ -182,7 +182,7 @@ def test_values_of_the_wrong_type_are_a_miss(tmp_path, redis_server, model_of):
         client.rpush(key, b"not a blob")
     with promptstore.PromptStore.open(tmp_path / "b", remote_url=redis_server.url) as b:
         hit = b.bind(model, model_id="m").fetch(tokens)
-        assert hit.length == 0 and b.tiers.reports
+        assert hit.length == 0 and b.reports
 
 
 def test_blobs_a_publisher_sent_are_sent_again_once_the_server_lost_them(tmp_path, redis_server, model_of):
@@ -202,7 +202,7 @@ def test_blobs_a_publisher_sent_are_sent_again_once_the_server_lost_them(tmp_pat
             forward(model, cache, tokens)
             space.insert(tokens, cache)
             a.flush()  # spills, then the publishes they queue
-            assert a.tiers.remote.flush(HANG_GUARD)
+            assert a.remote.flush(HANG_GUARD)
     with promptstore.PromptStore.open(tmp_path / "b", remote_url=redis_server.url) as b:
         hit = b.bind(model, model_id="m").fetch(mx.concatenate([prompts[2], prompt_tokens(8, seed=30)]))
         assert hit.length == len(prompts[2]) and hit.remote_tokens == hit.length

@@ -187,7 +187,7 @@ def test_bytes_the_reading_threads_fail_to_place_are_copied_instead(tmp_path, mo
 def publish_chain(path, url, model, tokens, ends, piece_bytes=PIECE):
     """Store A: a node per end (each inserted as the prefill reaches it), published in pieces."""
     with promptstore.PromptStore.open(path, remote_url=url) as store:
-        store.tiers.remote.piece_bytes = piece_bytes
+        store.remote.piece_bytes = piece_bytes
         space = store.bind(model, model_id="m")
         cache, at = space.new_cache(), 0
         for end in ends:
@@ -197,7 +197,7 @@ def publish_chain(path, url, model, tokens, ends, piece_bytes=PIECE):
 
 
 def fetched(store) -> tuple[int, int]:
-    counts = store.tiers.remote.counts
+    counts = store.remote.counts
     return counts["remote_fetched_values"], counts["remote_fetched_bytes"]
 
 
@@ -234,8 +234,8 @@ def test_a_chain_held_in_part_fetches_only_the_rest(tmp_path, request, model_of,
         # Only the second node's pieces came: every byte on the server, less the first's.
         assert fetched(b) == (len(sizes), sum(sizes.values()))
         assert hit.nbytes == sum(sizes.values()) - nbytes
-        assert b.tiers.remote.counts["remote_links_local"] == 1
-        assert not b.tiers.reports
+        assert b.remote.counts["remote_links_local"] == 1
+        assert not b.reports
         assert_faithful(model, hit, tokens)
         # Kept here as A cut it: a node per link, so the next hit is local.
         spans = sorted((n.start, n.end) for n in b.index.iter_nodes(space.namespace))
@@ -265,7 +265,7 @@ def test_a_remote_fetch_stages_no_file(tmp_path, redis_server, model_of, monkeyp
         monkeypatch.setattr(os, "open", recording_open)
         hit = space.fetch(tokens)
         monkeypatch.undo()
-        assert hit.remote_tokens == SECOND and not b.tiers.reports
+        assert hit.remote_tokens == SECOND and not b.reports
         assert not [p for p in created if str(tmp_path / "b") in p], created
         assert not list(b.tiers.cold.iter_temp_files()) and not list(b.tiers.cold.iter_files())
         assert_faithful(model, hit, tokens)
@@ -309,7 +309,7 @@ def test_a_bad_piece_of_the_rest_is_a_miss_that_changes_nothing(tmp_path, redis_
             client.set(other, a)
         hit = space.fetch(tokens)
         assert (hit.length, hit.remote_tokens) == (FIRST, 0), "the local first node, nothing of the bad one"
-        assert {r.reason for r in b.tiers.reports} == {"remote_missing" if fault == "deleted" else "remote_garbage"}
+        assert {r.reason for r in b.reports} == {"remote_missing" if fault == "deleted" else "remote_garbage"}
         b.flush()
         assert _state(b, space) == before
         assert_faithful(model, hit, tokens)

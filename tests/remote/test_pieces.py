@@ -16,12 +16,12 @@ PIECE = 1 << 16  # the node of 280 tokens below is about 150 KB: three pieces
 
 def publish_in_pieces(path, url, model, tokens, piece_bytes=PIECE) -> dict:
     with promptstore.PromptStore.open(path, remote_url=url) as store:
-        store.tiers.remote.piece_bytes = piece_bytes
+        store.remote.piece_bytes = piece_bytes
         space = store.bind(model, model_id="m")
         cache = space.new_cache()
         forward(model, cache, tokens)
         space.insert(tokens, cache)
-        remote = store.tiers.remote
+        remote = store.remote
     return dict(remote.counts)
 
 
@@ -35,7 +35,7 @@ def fetch(path, url, model, tokens):
         space = b.bind(model, model_id="m")
         hit = space.fetch(tokens)
         stored = list(b.index.iter_nodes(space.namespace))
-        return hit, {r.reason for r in b.tiers.reports}, stored
+        return hit, {r.reason for r in b.reports}, stored
 
 
 def test_a_node_larger_than_a_piece_round_trips(tmp_path, redis_server, model_of):

@@ -24,7 +24,7 @@ def test_two_salts_never_share_a_hit(tmp_path, redis_server, model_of):
         other = b.bind(model, model_id="m", salt=SALTS[1])
         unsalted = b.bind(model, model_id="m")
         assert other.fetch(tokens).length == 0 and unsalted.fetch(tokens).length == 0
-        assert b.tiers.remote.counts["remote_hits"] == 0
+        assert b.remote.counts["remote_hits"] == 0
         same = b.bind(model, model_id="m", salt=SALTS[0])  # the control: the same salt hits
         hit = same.fetch(tokens)
         assert hit.remote_tokens == 280

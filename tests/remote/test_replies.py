@@ -172,7 +172,7 @@ def test_a_bad_reply_stream_is_a_reported_miss_and_its_connection_is_dropped(
     client = redis_server.client()
     pieces = sorted(client.scan_iter(match=BLOB_PREFIX + "*"))
     with promptstore.PromptStore.open(tmp_path / "b", remote_url=redis_server.url) as b:
-        space, remote = b.bind(model, model_id="m"), b.tiers.remote
+        space, remote = b.bind(model, model_id="m"), b.remote
         used = []
 
         def mangled(connection, *args, **kwargs):
@@ -190,7 +190,7 @@ def test_a_bad_reply_stream_is_a_reported_miss_and_its_connection_is_dropped(
         monkeypatch.undo()
         assert (hit.length, hit.remote_tokens) == (0, 0)
         reason = {"out of step": "remote_garbage", "short read": "remote_down", "error reply": "remote_refused"}[fault]
-        assert [r.reason for r in b.tiers.reports] == [reason]
+        assert [r.reason for r in b.reports] == [reason]
         assert not list(b.index.iter_nodes(space.namespace)), "nothing of the miss was kept"
         if fault == "error reply":
             client.delete(pieces[-1])
@@ -200,4 +200,4 @@ def test_a_bad_reply_stream_is_a_reported_miss_and_its_connection_is_dropped(
         remote._down_until = 0.0  # a short read marks the server down for a moment
         again = space.fetch(tokens)  # every reply where it belongs: no connection left out of step
         assert (again.length, again.remote_tokens) == (280, 280)
-        assert not [r for r in list(b.tiers.reports)[1:]]
+        assert not [r for r in list(b.reports)[1:]]

@@ -106,7 +106,7 @@ def test_the_primary_killed_mid_traffic_fails_over_and_costs_misses_never_a_wron
         assert promoted is not None, f"the replica was not promoted within {FAILOVER_SECONDS} s"
         during = [s for s in traffic.steps if killed < s.at < promoted]
         resumed = traffic.until_hits(promoted)
-        b_counts = dict(b.tiers.remote.counts)
+        b_counts = dict(b.remote.counts)
     assert traffic.wrong == 0, f"{traffic.wrong} hits differ from the prefill"
     assert traffic.misses(killed, promoted) > 0, "the kill cost no miss: the victim served nothing?"
     assert max(s.seconds for s in during) < HANG_GUARD
@@ -184,7 +184,7 @@ def test_no_sentinel_answering_costs_a_bounded_miss_and_local_tiers_work(tmp_pat
     with promptstore.PromptStore.open(tmp_path / "b", remote_url=url, **SETTINGS) as b:
         started = time.monotonic()
         assert b.bind(model, model_id="m").fetch(tokens).length == 0
-        assert b.tiers.remote.counts.get("remote_down", 0) > 0
+        assert b.remote.counts.get("remote_down", 0) > 0
         assert time.monotonic() - started < HANG_GUARD
 
 

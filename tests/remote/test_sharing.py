@@ -27,7 +27,7 @@ def test_a_prefix_inserted_by_a_is_restored_by_b(tmp_path, redis_server, model_o
         assert_faithful(model, hit, tokens)
         # B keeps it: the next fetch is local, and it survives B's restart.
         assert (space.fetch(tokens).length, space.last_hit.remote_tokens) == (prefix, 0)
-        assert b.tiers.quiet, "a node made from a remote hit is not published back"
+        assert b.tiers.remote.quiet, "a node made from a remote hit is not published back"
     with promptstore.PromptStore.open(tmp_path / "b") as b:
         hit = b.bind(model, model_id="m").fetch(tokens)
         assert (hit.length, hit.remote_tokens) == (prefix, 0)
@@ -71,7 +71,7 @@ def test_the_parts_of_a_node_a_remote_hit_split_are_published(tmp_path, redis_se
         forward(model, cache, b_next)
         b_space.insert(b_next, cache)
         b.flush()
-        counts = dict(b.tiers.remote.counts)
+        counts = dict(b.remote.counts)
     assert not counts.get("remote_publish_incomplete"), counts
     with promptstore.PromptStore.open(tmp_path / "c", remote_url=redis_server.url) as c:
         tokens = mx.concatenate([b_next, tails[1][:4]])
@@ -91,7 +91,7 @@ def test_lookup_round_trips_do_not_grow_with_the_prompt(tmp_path, redis_server, 
             before = commands(client)
             hit = space.fetch(tokens)
             trips = commands(client) - before - 1  # less the INFO that counted
-            assert hit.length == n and b.tiers.remote.last_round_trips == trips
+            assert hit.length == n and b.remote.last_round_trips == trips
             assert trips <= 3, f"{trips} round trips for a {n}-token prompt"
 
 
@@ -109,7 +109,7 @@ def test_publish_threshold_and_what_this_store_published(tmp_path, redis_server,
         summary = ledger_summary(tmp_path / "c", redis_server.client(), exists)
         assert (summary["on_server"], summary["evicted"]) == (0, 1)
     with promptstore.PromptStore.open(tmp_path / "c", remote_url=redis_server.url) as c:
-        summary = c.tiers.remote.summary(lambda key: c.index.get(key) is not None)
+        summary = c.remote.summary(lambda key: c.index.get(key) is not None)
         assert (summary["published"], summary["evicted"], summary["local_gone"]) == (1, 1, 0)
 
 

@@ -80,4 +80,4 @@ def test_a_server_this_store_cannot_speak_tls_to_is_a_bounded_miss(tmp_path, tls
         started = time.monotonic()
         assert b.bind(model, model_id="m").fetch(tokens).length == 0
         assert time.monotonic() - started < HANG_GUARD
-        assert b.tiers.remote.counts.get("remote_down", 0) > 0
+        assert b.remote.counts.get("remote_down", 0) > 0

@@ -34,7 +34,7 @@ class Clock:
 def _open(path, **settings):
     store = PromptStore.open(path, durability="admit", admit_idle_seconds=IDLE, **settings)
     clock = Clock()
-    store.tiers.clock = clock
+    store.clock = clock
     return store, clock
 
 
@@ -47,7 +47,7 @@ def _turn(space, model, tokens, prefill_seconds=None):
 
 
 def _written(store) -> int:
-    store.tiers.write_due()
+    store.write_due()
     store.flush()
     return store.metrics().disk_written_bytes
 
@@ -267,9 +267,9 @@ def test_the_budget_writes_the_most_valuable_first(tmp_path, model_of):
     _turn(space, model, CONVERSATION[:80], prefill_seconds=5.0)
     _turn(space, model, CONVERSATION[:120], prefill_seconds=0.001)
     entries = {e.node.end: e for e in store.tiers.hot.entries.values()}
-    store.tiers.admission.budget.per_hour = entries[80].nbytes  # room for one node
-    store.tiers.admission.used([e.key for e in entries.values()], clock())  # all three reused
-    store.tiers.write_due()
+    store.tiers.durability.admission.budget.per_hour = entries[80].nbytes  # room for one node
+    store.tiers.durability.admission.used([e.key for e in entries.values()], clock())  # all three reused
+    store.write_due()
     store.flush()
     assert not entries[80].dirty and entries[40].dirty and entries[120].dirty
     assert store.metrics().over_budget_nodes == 3  # each counted once, the first time it did not fit
@@ -279,7 +279,7 @@ def test_the_budget_writes_the_most_valuable_first(tmp_path, model_of):
 def test_a_retention_class_that_never_writes_is_obeyed(tmp_path, model_of):
     model = model_of("llama")
     store, _ = _open(tmp_path)
-    store.tiers.retention_of = lambda key: SimpleNamespace(never_write=True, keep_until=None)
+    store.tiers.keeping.of = lambda key: SimpleNamespace(never_write=True, keep_until=None)
     space = store.bind(model, model_id="m")
     for end in (40, 80, 120):
         _turn(space, model, CONVERSATION[:end])
@@ -294,7 +294,7 @@ def test_the_other_durabilities_still_write_one_offs(tmp_path, model_of, durabil
     with PromptStore.open(tmp_path, durability=durability) as store:
         space = store.bind(model, model_id="m")
         _turn(space, model, ONE_OFF)
-        assert store.tiers.write_due() == 0  # admission is not theirs
+        assert store.write_due() == 0  # admission is not theirs
     assert _restorable(tmp_path, model, ONE_OFF) == 49
 
 

@@ -60,7 +60,7 @@ def test_an_overlap_hit_continues_as_a_full_prefill(tmp_path, family, variant, k
         assert 0 < hit.computed < hit.length, (hit.computed, hit.length)
         assert hit.length >= len(A) - STEP  # recurrent layers restore at a grid checkpoint
         continue_and_compare(model, hit, tokens, kv_bits)
-        assert list(store.tiers.reports) == []
+        assert list(store.reports) == []
 
 
 def test_a_long_insert_becomes_a_chain_of_nodes_each_within_node_bytes(tmp_path):

@@ -42,7 +42,7 @@ def assert_serves(path, model, sequences):
             want = forward(model, fresh_cache(model), tokens)
             got = forward(model, hit.cache, tokens[hit.length :])
             assert mx.abs(want - got).max().item() < 1e-4
-        assert not store.tiers.reports, list(store.tiers.reports)
+        assert not store.reports, list(store.reports)
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_over_budget_store_is_evicted_leaves_first(tmp_path, model_of, seqs):
     assert report.actions["over budget"]["nodes"] >= 1
     assert report.status == "clean"  # evicting is upkeep, not a repair
     with PromptStore.open(tmp_path) as store:
-        assert store.tiers.cold_bytes() <= total // 2
+        assert store.cold_bytes() <= total // 2
     assert compact(tmp_path, max_bytes=total // 2).status == "clean"
     assert_serves(tmp_path, model, seqs)
 

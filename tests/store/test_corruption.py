@@ -77,14 +77,14 @@ def fetch_and_check(stored: Stored, model_id: str = "m", report_once: bool = Tru
     with PromptStore.open(stored.root, hot_bytes=0) as store:
         space = store.bind(model, model_id=model_id)
         hit = space.fetch(TOKENS)
-        reports = list(store.tiers.reports)
-        counts = dict(store.tiers.counts)
+        reports = list(store.reports)
+        counts = dict(store.counts)
         got = forward(model, hit.cache, TOKENS[hit.length :])
         assert mx.abs(got - full_prefill(model)).max().item() < TOL
         again = space.fetch(TOKENS)  # the bad file is not tried again
         assert again.length == hit.length
         if report_once:
-            assert len(store.tiers.reports) == len(reports)
+            assert len(store.reports) == len(reports)
     return hit.length, reports, counts
 
 
@@ -167,7 +167,7 @@ def test_undamaged_store_hits_from_files(stored):
         assert (hit.length, hit.cold_nodes) == (DEEP, 2)
         got = forward(model, hit.cache, TOKENS[DEEP:])
         assert mx.abs(got - full_prefill(model)).max().item() < TOL
-        assert not store.tiers.reports
+        assert not store.reports
 
 
 @pytest.mark.parametrize("how", sorted(DAMAGE))
@@ -428,7 +428,7 @@ def test_damaged_index_record_is_a_logged_miss(stored, caplog, how):
 
 
 # Regression (was a defect): Space.fetch drops IndexMatch.corrupt: a damaged index record is only
-# logged by promptstore.index, never added to store.tiers.reports / counts
+# logged by promptstore.index, never added to store.reports / counts
 def test_damaged_index_record_is_reported_by_the_store(stored):
     damage_db(stored, b"nodes", stored.key(DEEP), _bit)
     length, reports, counts = fetch_and_check(stored, report_once=False)

@@ -148,7 +148,7 @@ class Checker:
             nodes = list(store.index.iter_nodes(space.namespace))
             self.stats["nodes"] = len(nodes)
             self.stats["nodes_without_file"] = sum(1 for n in nodes if not n.record.file)
-            for r in store.tiers.reports:
+            for r in store.reports:
                 self.stats[f"report_{r.reason}"] += 1
                 self.reports.append(("report", (r.reason, r.detail)))
         finally:

@@ -53,7 +53,7 @@ def _spills_held(store, monkeypatch):
 
     def publish():
         gate.set()
-        store.tiers.writer.flush()
+        store.tiers.spills.writer.flush()
 
     return publish
 
@@ -72,7 +72,7 @@ def test_a_spill_published_between_the_lookup_and_the_read_is_read_from_its_file
         assert done and (hit.length, hit.cold_nodes) == (len(a) - 1, 1)  # the job had gone: read from the file
         monkeypatch.undo()
         assert_hit_whole(space, model, a)
-        assert not store.tiers.reports
+        assert not store.reports
 
 
 def test_a_file_replaced_between_the_lookup_and_the_read_is_read_as_replaced(tmp_path, model_of, monkeypatch):
@@ -83,12 +83,12 @@ def test_a_file_replaced_between_the_lookup_and_the_read_is_read_as_replaced(tmp
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
         space = store.bind(model, model_id="m")
         [node] = store.index.lookup(space.namespace, a).path
-        first = store.tiers.file_of(node)
+        first = store.tiers.reads.file_of(node)
         snapshots = store.tiers.get(node)
         assert first.exists() and snapshots is not None and not store.tiers.is_held(node)
 
         def respill():  # as the writer does when a node is spilled again: a new file, the old one removed
-            store.tiers.writer.write_now(SpillJob(node.id, snapshots))
+            store.tiers.spills.writer.write_now(SpillJob(node.id, snapshots))
 
         done = _after_lookup(monkeypatch, respill)
         hit = space.fetch(a)
@@ -96,7 +96,7 @@ def test_a_file_replaced_between_the_lookup_and_the_read_is_read_as_replaced(tmp
         assert (hit.length, hit.cold_nodes) == (len(a) - 1, 1)
         monkeypatch.undo()
         assert_hit_whole(space, model, a)
-        assert not store.tiers.reports
+        assert not store.reports
 
 
 def test_the_hybrid_hit_that_failed_in_ci_restores_whole_when_the_spills_land_after_the_lookup(tmp_path, monkeypatch):
@@ -119,4 +119,4 @@ def test_the_hybrid_hit_that_failed_in_ci_restores_whole_when_the_spills_land_af
         assert done and hit.length == 29
         got = forward(model, hit.cache, tokens[hit.length :])
         assert mx.abs(got - forward(model, fresh_cache(model), tokens)).max().item() < 1e-4
-        assert not store.tiers.reports
+        assert not store.reports

@@ -101,7 +101,7 @@ def test_the_store_written_at_dd4fc98_keeps_serving(tmp_path, caplog):
             for tokens in (A, B, C):
                 length, err = continuation_error(space, _model(family), tokens)
                 assert length > 0 and err < TOL, (family, len(tokens))
-        assert not store.tiers.reports, list(store.tiers.reports)
+        assert not store.reports, list(store.reports)
     report = compact(root, verify=True, merge=False, max_bytes=1 << 30)
     assert not {"orphan files", "missing files"} & set(report.actions), report.actions
     assert not any("verify" in k or "stray" in k for k in report.actions), report.actions

@@ -201,9 +201,9 @@ def test_what_waits_for_a_refusing_disk_stays_within_the_memory_budget(tmp_path,
         prompts = [prompt_tokens(300, seed=80 + i) for i in range(12)]
         for tokens in prompts:
             turn(space, model, tokens)
-            with store.tiers.lock:
+            with store.tiers.spills.lock:
                 waiting = sum(
-                    sum(s.nbytes for s in j.snapshots if s is not None) for j in store.tiers.stranded.values()
+                    sum(s.nbytes for s in j.snapshots if s is not None) for j in store.tiers.spills.stranded.values()
                 )
             assert waiting <= budget
         disk = store.disk()

@@ -76,7 +76,7 @@ def test_divergences_inside_nodes_restore_hot_cold_and_after_compact(tmp_path, f
         space = s.bind(model, model_id="m")
         for tokens in (c, diverging(12, seed=65), mx.concatenate([b, prompt_tokens(3, seed=66)])):
             check(space, model, tokens, shared(A if len(tokens) != len(b) + 3 else b, tokens), family)
-        assert list(s.tiers.reports) == []
+        assert list(s.reports) == []
     report = compact(tmp_path, verify=True)
     assert report.status != "failed" and "merged chains" in report.actions, report.actions
     with store(tmp_path, hot_bytes=0) as s:  # joined nodes restore at their ends and past them
@@ -88,7 +88,7 @@ def test_divergences_inside_nodes_restore_hot_cold_and_after_compact(tmp_path, f
             assert hit.length > 0
             got = forward(model, hit.cache, tokens[hit.length :])
             assert mx.abs(got - forward(model, fresh_cache(model), tokens)).max().item() < TOL
-        assert list(s.tiers.reports) == []
+        assert list(s.reports) == []
 
 
 @pytest.mark.parametrize("family", FAMILIES)

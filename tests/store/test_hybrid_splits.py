@@ -57,7 +57,7 @@ def test_the_lower_half_of_a_split_serves_whole(tmp_path, family):
     with PromptStore.open(tmp_path, hot_bytes=0) as store:  # from disk, in a new store
         space = store.bind(model, model_id="m")
         length, err = served(space, model, then(A, 3))
-        assert (length, list(store.tiers.reports)) == (len(A), []) and err < TOL
+        assert (length, list(store.reports)) == (len(A), []) and err < TOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -85,7 +85,7 @@ def test_a_prefill_through_the_branch_point_fills_its_checkpoint(tmp_path, famil
         for tokens, _seed in ((then(A[:BRANCH], 5), None), (then(A, 6), None), (then(B, 7), None)):
             length, err = served(space, model, tokens)
             assert length == len(tokens) - 3 and err < TOL, (length, err)
-        assert list(store.tiers.reports) == []
+        assert list(store.reports) == []
 
 
 SYSTEM = A[:BRANCH]  # a system prompt every conversation starts with

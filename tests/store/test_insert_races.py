@@ -45,4 +45,4 @@ def test_a_node_cut_elsewhere_between_the_plan_and_the_split_is_planned_again(tm
         assert [n.end for n in store.index.lookup(space.namespace, b).path] == [54]  # the cut is a node end
         for tokens in (a, b, c):
             assert_hit_whole(space, model, tokens)
-        assert not store.tiers.reports
+        assert not store.reports

@@ -60,7 +60,7 @@ def test_a_format_2_store_restores_what_it_stored(legacy, family):
         # hold the positions), recurrent ones at the last node end before it.
         inside = mx.concatenate([A[:34], prompt_tokens(4, seed=4)])
         assert served(space, model, inside) == (32 if family == "qwen3_next" else 34)
-        assert list(store.tiers.reports) == []
+        assert list(store.reports) == []
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -82,4 +82,4 @@ def test_new_nodes_grow_on_format_2_nodes(legacy, family):
         space = store.bind(model, model_id=f"legacy-{family}")
         for tokens, seed in ((longer, 10), (split, 11), (C, 12)):
             assert served(space, model, more(tokens, seed)) == len(tokens)
-        assert list(store.tiers.reports) == []
+        assert list(store.reports) == []

@@ -25,7 +25,7 @@ def stored(space, model, tokens) -> None:
 
 def node_file(store, space, tokens):
     node = store.index.lookup(space.namespace, tokens[:-1]).path[-1]
-    return node, store.tiers.file_of(node)
+    return node, store.tiers.reads.file_of(node)
 
 
 def test_the_stores_own_fetch_is_not_counted(tmp_path):
@@ -94,7 +94,7 @@ def test_memory_evictions_and_a_quarantined_file_are_counted(tmp_path):
     with PromptStore.open(tmp_path, durability="sync", hot_bytes=nbytes + nbytes // 2) as store:
         space = store.bind(model, model_id="m")
         assert space.fetch(A).cold_nodes == 1  # read into memory
-        held = store.tiers.hot.nbytes
+        held = store.in_memory()[1]
         stored(space, model, B)
         m = store.metrics()
         assert m.evictions["hot"] == 1 and m.evicted_bytes["hot"] == held > 0

@@ -35,4 +35,4 @@ def test_two_processes_insert_and_fetch_at_once(tmp_path, model_of):
         for seed in (1, 2):
             tail = mx.random.randint(0, 256, (16,), key=mx.random.key(seed * 1000))
             assert_hit_whole(space, model, mx.concatenate([base, tail]))
-        assert not store.tiers.reports
+        assert not store.reports

@@ -46,7 +46,7 @@ def held(store, node) -> bool:
 
 def with_clock(store) -> Clock:
     clock = Clock()
-    store.tiers.clock = clock
+    store.clock = clock
     return clock
 
 
@@ -64,8 +64,8 @@ def test_a_prefix_kept_an_hour_outlasts_memory_pressure_for_its_hour_then_goes_f
         clock = with_clock(store)
         kept_tokens = prompt_tokens(40, seed=1)
         space, kept = stored(store, model, kept_tokens, retention="1h")
-        store.tiers.hot.budget = int(2.5 * store.tiers.hot.nbytes)  # room for two nodes like it
-        assert store.tiers.retention_of(kept.key).keep_until == clock.now + 3600
+        store.tiers.hot.budget = int(2.5 * store.in_memory()[1])  # room for two nodes like it
+        assert store.retention_of(kept.key).keep_until == clock.now + 3600
         for seed in range(2, 8):  # newer prefixes, worth more by recency, nobody asked to keep
             clock.now += 60
             stored(store, model, prompt_tokens(40, seed=seed))
@@ -85,13 +85,13 @@ def test_a_5m_prefix_pins_nothing_after_five_minutes(tmp_path, model_of):
     with PromptStore.open(tmp_path) as store:
         clock = with_clock(store)
         _, kept = stored(store, model, prompt_tokens(40, seed=1), retention="5m")
-        store.tiers.hot.budget = int(2.5 * store.tiers.hot.nbytes)
+        store.tiers.hot.budget = int(2.5 * store.in_memory()[1])
         clock.now += 200
         stored(store, model, prompt_tokens(40, seed=2))
         stored(store, model, prompt_tokens(40, seed=3))
-        assert held(store, kept) and store.tiers.retention_of(kept.key).kept(clock.now)
+        assert held(store, kept) and store.retention_of(kept.key).kept(clock.now)
         clock.now += 101  # five minutes and a second since it was asked for
-        assert not store.tiers.retention_of(kept.key).kept(clock.now)
+        assert not store.retention_of(kept.key).kept(clock.now)
         stored(store, model, prompt_tokens(40, seed=4))
         assert not held(store, kept)
 
@@ -104,7 +104,7 @@ def test_in_memory_never_reaches_disk(tmp_path, model_of, durability):
     with PromptStore.open(root, durability=durability) as store:
         with_clock(store)
         space, node = stored(store, model, private, retention="in_memory")
-        r = store.tiers.retention_of(node.key)
+        r = store.retention_of(node.key)
         assert r.never_write and r.name == "in_memory"
         store.flush()
         assert files(root) == [] and store.index.get(node.key).record.file is None
@@ -118,7 +118,7 @@ def test_in_memory_never_reaches_disk(tmp_path, model_of, durability):
         stored(store, model, prompt_tokens(40, seed=3))
         store.flush()
         assert store.metrics().retention.never_written == 1
-        assert not held(store, node) and store.tiers.retention_of(node.key) is None
+        assert not held(store, node) and store.retention_of(node.key) is None
     # After the close, which writes everything else, the private prefix is still on no disk.
     assert len(files(root)) == 2
     with PromptStore.open(root) as store:
@@ -146,23 +146,23 @@ def test_the_stronger_class_wins_on_a_shared_node(tmp_path, model_of):
     with PromptStore.open(tmp_path) as store:
         clock = with_clock(store)
         space, node = stored(store, model, tokens, retention="5m")
-        assert store.tiers.retention_of(node.key).name == "5m"
+        assert store.retention_of(node.key).name == "5m"
         clock.now += 10
         assert space.retain(tokens, "1h") == 1
-        assert store.tiers.retention_of(node.key).name == "1h"
+        assert store.retention_of(node.key).name == "1h"
         clock.now += 10
         space.retain(tokens, "5m")  # a weaker class later: the hour stays
         space.retain(tokens, "in_memory")
-        r = store.tiers.retention_of(node.key)
+        r = store.retention_of(node.key)
         assert (r.name, r.never_write, r.keep_until) == ("1h", False, clock.now - 10 + 3600)
         clock.now += 3590  # the hour nearly over: five minutes from now outlast it
         space.retain(tokens, "5m")
-        assert store.tiers.retention_of(node.key).keep_until == clock.now + 300
+        assert store.retention_of(node.key).keep_until == clock.now + 300
 
         other = prompt_tokens(40, seed=2)
         _, node = stored(store, model, other, retention="in_memory")
         space.retain(other, "24h")  # a longer keep that may be written wins over in_memory
-        r = store.tiers.retention_of(node.key)
+        r = store.retention_of(node.key)
         assert (r.name, r.never_write) == ("24h", False)
 
 
@@ -176,9 +176,9 @@ def test_a_split_node_keeps_its_retention_in_both_halves(tmp_path, model_of):
         stored(store, model, b)  # splits [0, 60) at 30
         upper, lower = store.index.lookup(space.namespace, a).path
         assert (upper.end, lower.end) == (30, 60)
-        assert store.tiers.retention_of(upper.key).name == store.tiers.retention_of(lower.key).name == "1h"
+        assert store.retention_of(upper.key).name == store.retention_of(lower.key).name == "1h"
         b_leaf = last_node(store, space, b)
-        assert store.tiers.retention_of(b_leaf.key) is None
+        assert store.retention_of(b_leaf.key) is None
 
 
 def test_marks_keep_each_prefix_by_its_own_class(tmp_path, model_of):
@@ -193,8 +193,8 @@ def test_marks_keep_each_prefix_by_its_own_class(tmp_path, model_of):
         forward(model, cache, tokens[30:])
         space.insert(tokens, cache, retention=[(30, "1h"), (60, "5m")])
         head, tail = store.index.lookup(space.namespace, tokens).path
-        assert store.tiers.retention_of(head.key).name == "1h"
-        assert store.tiers.retention_of(tail.key).name == "5m"
+        assert store.retention_of(head.key).name == "1h"
+        assert store.retention_of(tail.key).name == "5m"
 
 
 def test_a_mark_inside_a_new_span_is_a_node_boundary(tmp_path, model_of):
@@ -211,7 +211,7 @@ def test_a_mark_inside_a_new_span_is_a_node_boundary(tmp_path, model_of):
         space.insert(tokens, cache, retention=[(20, "24h"), (45, "1h"), (60, "5m")])
         path = store.index.lookup(space.namespace, tokens).path
         assert [n.end for n in path] == [20, 45, 60]
-        assert [store.tiers.retention_of(n.key).name for n in path] == ["24h", "1h", "5m"]
+        assert [store.retention_of(n.key).name for n in path] == ["24h", "1h", "5m"]
         for n in (21, 46, 60):
             assert restores_like_a_prefill(model, space, tokens[:n])
 
@@ -230,11 +230,11 @@ def test_the_disk_budget_keeps_a_retained_leaf_across_a_restart_until_its_time(t
         clock = with_clock(store)
         assert store.index.get(kept.key).record.keep_until == until
         one = store.index.get(kept.key).record.nbytes
-        removed, _ = store.tiers.evict_cold(store.tiers.cold_bytes() - one)
+        removed, _ = store.evict_cold(store.cold_bytes() - one)
         assert removed == 1 and store.index.get(plain.key) is None and store.index.get(kept.key) is not None
         assert store.metrics().retention.kept == 1  # its value alone would have sent it first
         clock.now = until + 1
-        removed, _ = store.tiers.evict_cold(0)
+        removed, _ = store.evict_cold(0)
         assert removed == 1 and files(tmp_path) == []
 
 
@@ -250,7 +250,7 @@ def test_retention_read_from_disk_keeps_a_node_in_memory(tmp_path, model_of):
         clock.now = start + 3600
         space = store.bind(model, model_id="m")
         assert space.fetch(tokens).length == 39  # read from disk, held in memory again
-        r = store.tiers.retention_of(kept.key)
+        r = store.retention_of(kept.key)
         assert (r.name, r.keep_until) == ("24h", start + 86400)
 
 
@@ -266,7 +266,7 @@ def test_generate_keeps_the_conversation_as_asked(tmp_path):
             promptstore.generate(model, tokenizer, prompt, space=space, max_tokens=4, retention="2h")
         promptstore.generate(model, tokenizer, prompt, space=space, max_tokens=4, retention="1h")
         path = store.index.lookup(space.namespace, prompt).path
-        assert path and all(store.tiers.retention_of(n.key).name == "1h" for n in path)
+        assert path and all(store.retention_of(n.key).name == "1h" for n in path)
 
 
 def test_classes_are_the_apis_words():
@@ -285,7 +285,7 @@ def test_admit_never_writes_what_is_kept_in_memory(tmp_path, model_of):
         with_clock(store)
         space, node = stored(store, model, private, retention="in_memory")
         assert space.fetch([*private, 7]).length == len(private)  # reused: admit would write it
-        store.tiers.write_due()
+        store.write_due()
         store.flush()
         assert files(root) == [] and store.index.get(node.key).record.file is None
     assert files(root) == []

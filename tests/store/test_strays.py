@@ -72,7 +72,7 @@ def test_in_place_of_a_named_file(tmp_path, caplog, outside, kind, first):
             length, err = continuation_error(space, model, TOKENS)
             assert length == 0 and err < TOL
             if first == "fetch":
-                assert [r.reason for r in store.tiers.reports] == ["not a file"]
+                assert [r.reason for r in store.reports] == ["not a file"]
             prefill_insert(space, model, TOKENS)  # stored again, in a file of its own
         report = compact(root, verify=True, max_bytes=1 << 30)
         assert report.status != "failed" and not report.errors

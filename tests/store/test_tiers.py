@@ -111,12 +111,12 @@ def test_disk_budget_evicts_leaves_entry_first(tmp_path, model_of):
         space = _fill(store, model, tokens, [30, 60, 89])
         sizes = [n.record.nbytes for n in store.index.iter_nodes(space.namespace)]
         budget = sum(sizes) - 1  # one node must go
-        removed, freed = store.tiers.evict_cold(budget)
-        assert removed == 1 and store.tiers.cold_bytes() <= budget
+        removed, freed = store.evict_cold(budget)
+        assert removed == 1 and store.cold_bytes() <= budget
         # The leaf went (its prefix still hits); the index and the files agree.
         assert space.fetch(tokens).length == 60
         assert len(_files(tmp_path)) == 2
-        removed, _ = store.tiers.evict_cold(0)
+        removed, _ = store.evict_cold(0)
         assert removed == 2 and _files(tmp_path) == []
 
 
@@ -133,7 +133,7 @@ def test_a_disk_that_refuses_writes_keeps_the_store_working(tmp_path, model_of, 
         monkeypatch.setattr(store.tiers.cold, "write", full)
         space = _fill(store, model, tokens, [50, 69])  # inserts still work, from memory
         # Refused, not missed: the store is degraded and says so once, not per node.
-        assert store.tiers.counts["spills_refused"] >= 2 and not any(r.reason == "disk" for r in store.tiers.reports)
+        assert store.counts["spills_refused"] >= 2 and not any(r.reason == "disk" for r in store.reports)
         disk = store.disk()
         assert disk.refusing and disk.reason == "No space left on device" and disk.unwritten_nodes >= 1
         hit = space.fetch(tokens)
@@ -174,7 +174,7 @@ def test_a_full_disk_keeps_the_store_working(small_disk, model_of):
         first = [p.read_bytes() for p in _files(small_disk)]
         assert len(first) == 1
         space = _fill(store, model, tokens, [60, 120, 199])  # these no longer fit on disk
-        assert store.tiers.counts["spills_refused"] >= 1 and store.disk().refused_writes >= 1
+        assert store.counts["spills_refused"] >= 1 and store.disk().refused_writes >= 1
         assert not list(store.tiers.cold.iter_temp_files())  # no half-written file left
         hit = space.fetch(tokens)
         assert hit.length == 199
@@ -239,7 +239,7 @@ def test_a_path_of_cold_nodes_is_read_together_and_stops_at_a_bad_file(tmp_path,
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
         space = store.bind(model, model_id="m")
         path = sorted(store.index.iter_nodes(space.namespace), key=lambda n: n.start)
-        snaps, cold = store.tiers.get_path(path)
+        snaps, cold = store.tiers.read(path).snapshots()
         assert [n.key for n in cold] == [n.key for n in path] and len(snaps) == 3
         for node, got in zip(path, snaps):
             assert all(s.start == node.start and s.end == node.end for s in got)
@@ -250,9 +250,9 @@ def test_a_path_of_cold_nodes_is_read_together_and_stops_at_a_bad_file(tmp_path,
     with PromptStore.open(tmp_path, hot_bytes=0) as store:
         space = store.bind(model, model_id="m")
         path = sorted(store.index.iter_nodes(space.namespace), key=lambda n: n.start)
-        snaps, cold = store.tiers.get_path(path)
+        snaps, cold = store.tiers.read(path).snapshots()
         assert len(snaps) == 1 and [n.key for n in cold] == [path[0].key]
-        assert [r.reason for r in store.tiers.reports] == ["checksum"]
+        assert [r.reason for r in store.reports] == ["checksum"]
         assert space.fetch(mx.concatenate([tokens, prompt_tokens(3, seed=9)])).length == 30
 
 
@@ -268,9 +268,9 @@ def test_disk_budget_evicts_the_least_valuable_leaf_first(tmp_path, model_of):
             space.insert(tokens, cache, prefill_seconds=seconds)
         leaves = [n for n in store.index.iter_nodes(space.namespace) if store.index.is_leaf(n.key)]
         assert len(leaves) == 2
-        total = store.tiers.cold_bytes()
-        removed, freed = store.tiers.evict_cold(total - 1)
-        assert removed == 1 and store.tiers.cold_bytes() <= total - 1
+        total = store.cold_bytes()
+        removed, freed = store.evict_cold(total - 1)
+        assert removed == 1 and store.cold_bytes() <= total - 1
         assert space.fetch(mx.concatenate([dear, prompt_tokens(2)])).length == len(dear)
         assert space.fetch(mx.concatenate([cheap, prompt_tokens(2)])).length < len(cheap)
 

@@ -110,7 +110,7 @@ def ttft_remote(model, prompt: mx.array, url: str, path: Path, prefix: int) -> t
         hit = space.fetch(prompt)
         prefill(model, hit.cache, prompt[hit.length :])
         dt = time.perf_counter() - t0
-        trips = store.tiers.remote.last_round_trips
+        trips = store.remote.last_round_trips
     shutil.rmtree(path, ignore_errors=True)
     if hit.remote_tokens != prefix:
         raise SystemExit(f"replica B restored {hit.remote_tokens} remote tokens, expected {prefix}")
@@ -124,7 +124,7 @@ def store_on_a(model, prompt: mx.array, prefix: int, url: str, path: Path) -> di
         cache = make_prompt_cache(model)
         prefill(model, cache, prompt[:prefix])
         space.insert(prompt[:prefix], cache)
-        remote = store.tiers.remote
+        remote = store.remote
     return dict(remote.counts)
 
 
@@ -187,7 +187,7 @@ def publish_node(model, prompt: mx.array, ends: list[int], server: Server, path:
     publishes them; close waits for the publish."""
     with PromptStore.open(path, remote_url=server.url) as store:
         if piece_bytes:
-            store.tiers.remote.piece_bytes = piece_bytes
+            store.remote.piece_bytes = piece_bytes
         space = store.bind(model, model_id="bench")
         for end in ends:
             space.insert(prompt[:end], filled_cache(model, end))
@@ -202,16 +202,16 @@ def timed_hit(model, prompt: mx.array, url: str | None, path: Path, **settings):
     with PromptStore.open(path, remote_url=url, remote_timeout=5.0, **settings) as store:
         space = store.bind(model, model_id="bench")
         if url:
-            store.tiers.remote.client.ping()
-        before = dict(store.tiers.remote.counts) if url else {}
+            store.remote.client.ping()
+        before = dict(store.remote.counts) if url else {}
         t0 = time.perf_counter()
         hit = space.fetch(prompt)
         mx.eval([a for c in hit.cache for a in c.state])
         dt = time.perf_counter() - t0
-        after = dict(store.tiers.remote.counts) if url else {}
+        after = dict(store.remote.counts) if url else {}
         fetch = {k: after[k] - before.get(k, 0) for k in after if k.startswith("remote_fetched")}
         if url:
-            fetch["seconds"] = store.tiers.remote.last_fetch[1]
+            fetch["seconds"] = store.remote.last_fetch[1]
     return dt, hit, fetch
 
 
@@ -388,7 +388,7 @@ def round_trips(url: str, port: int, tmp: Path, lengths: list[int]) -> list[dict
                 {
                     "prompt_tokens": n,
                     "hit_tokens": hit.length,
-                    "round_trips": store.tiers.remote.last_round_trips,
+                    "round_trips": store.remote.last_round_trips,
                     "server_commands": commands,
                     "grid_keys_asked": (n - 1) // CHUNK,
                 }

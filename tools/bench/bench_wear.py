@@ -114,7 +114,7 @@ def run_policy(policy: str, model, work: dict, root: Path, tokens: int) -> dict:
     io0 = io_written()
     store = PromptStore.open(path, durability=policy, warm_start=False)
     clock = Clock()
-    store.tiers.clock = clock
+    store.clock = clock
     space = store.bind(model, model_id="bench-wear")
     session, turns = work["session"], work["turns"]
     started = time.perf_counter()
@@ -124,7 +124,7 @@ def run_policy(policy: str, model, work: dict, root: Path, tokens: int) -> dict:
             one_off = work["one_offs"][i // 5]
             request(space, model, one_off, len(one_off) - work["reply"], len(one_off))
         clock.now += PAUSE_SECONDS if i + 1 == PAUSE_AT else TURN_SECONDS
-        store.tiers.write_due()  # the admission thread's look, at the simulated time
+        store.write_due()  # the admission thread's look, at the simulated time
     session_seconds = time.perf_counter() - started
     store.flush()
     killed = probe(path, tokens)  # what a SIGKILL now leaves on disk

@@ -126,7 +126,7 @@ class Warmer:
                 continue
             group = self.tiers.tenant(node.namespace)
             if group not in used:
-                used[group] = self.tiers.hot_used(group)
+                used[group] = self.tiers.memory(group)[1]
             if used[group] + nbytes > self.budget:
                 continue  # a smaller, older node may still fit
             used[group] += nbytes

@@ -50,7 +50,7 @@ def test_a_warm_start_reads_the_most_recently_used_nodes_within_the_budget(tmp_p
         warming = store.warm()
         assert warming.wait(60)
         assert sorted(held(store, space)) == sorted(order[-3:])
-        assert warming.progress()["nodes"] == 3 and store.tiers.hot.nbytes <= 3 * nbytes + nbytes // 2
+        assert warming.progress()["nodes"] == 3 and store.in_memory()[1] <= 3 * nbytes + nbytes // 2
         tokens = mx.concatenate([PROMPTS[order[-1]], prompt_tokens(3, seed=90)])
         hit = space.fetch(tokens)
         assert hit.length == len(PROMPTS[order[-1]]) and hit.cold_nodes == 0 and hit.plan is None
@@ -86,10 +86,10 @@ def test_a_damaged_file_met_while_warming_is_quarantined_and_never_served(tmp_pa
         space = store.bind(model, model_id="m")
         assert store.warm().wait(60)
         assert 2 not in held(store, space) and len(held(store, space)) == len(PROMPTS) - 1
-        assert [r.reason for r in store.tiers.reports] == ["checksum"]
+        assert [r.reason for r in store.reports] == ["checksum"]
         assert len(list((tmp_path / "cold" / "quarantine").iterdir())) == 1
         assert space.fetch(PROMPTS[2]).length == 0  # the node lost its file: a miss
-        assert [r.reason for r in store.tiers.reports] == ["checksum"]
+        assert [r.reason for r in store.reports] == ["checksum"]
 
 
 def test_closing_the_store_stops_a_warm_start_between_reads(tmp_path, monkeypatch):
@@ -105,7 +105,7 @@ def test_closing_the_store_stops_a_warm_start_between_reads(tmp_path, monkeypatc
             return real(nodes)
 
         monkeypatch.setattr(store.tiers, "read_into_memory", slow)
-        monkeypatch.setattr("promptstore.store.warm.BATCH_FILES", 1)
+        monkeypatch.setattr("promptstore.store.warm_start.BATCH_FILES", 1)
         warming = store.warm()
         assert reading.wait(30)
         started = time.monotonic()
