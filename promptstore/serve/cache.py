@@ -1,16 +1,17 @@
 """The prompt cache mlx_lm.server's generation thread calls (LRUPromptCache's
 methods) over a PromptStore: a namespace per model key and tenant, checkpoints
 at prompt segment ends, and after a chat reply the conversation as rendered;
-each insert kept as long as the requests that own its tokens asked."""
+each insert kept as long as the requests that own its tokens asked, and run
+when its InsertScheduler says (serve/insert_scheduler.py)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ from ..errors import ModelIdentityError, PromptStoreError
 from ..generation import prefill
 from ..store import Hit, PromptStore, Space
 from ..store.model import weights_digest, weights_fingerprint
+from .insert_scheduler import InsertScheduler, InsertSettings, WaitingInsert
 from .pieces import Pieces, PieceTokenizer
 from .replies import ChatTurn, common_prefix, rendered_turn
 from .tenants import PUBLIC, InFlight, InFlightRequest, Tenant, TrackedPrompt
@@ -39,14 +41,6 @@ def _own_copy(prompt_cache: list) -> None:
         mx.async_eval(arrays)
     except Exception as e:  # a cache kind without arrays to compute: nothing to start
         log.debug("extracted cache not computed ahead: %s", e)
-
-
-def _goes_on_with(prompt: list[int], earlier: list[int]) -> bool:
-    """Whether `earlier` is a prefix of `prompt`. Its last token is compared first:
-    a fetch asks this of every waiting reply (up to the batch's size), and the
-    slice and compare of ~5k tokens each took ~0.2 ms for 32 of them."""
-    n = len(earlier)
-    return 0 < n <= len(prompt) and prompt[n - 1] == earlier[-1] and prompt[:n] == earlier
 
 
 class ModelPair(nn.Module):
@@ -106,24 +100,6 @@ def _marks(kept: tuple, n_tokens: int) -> tuple:
 
 
 @dataclass
-class _Waiting:
-    """An insert handed over by mlx-lm and not yet done."""
-
-    work: Callable[[], Iterator[None]]  # its steps: a reply's prefill yields between chunks
-    n_tokens: int
-    cache_type: str
-    owners: frozenset  # the requests whose tokens these are (at most one part of each request's prompt waits)
-    asked: list[int]  # a finished request's prompt: its next turn goes on with it
-    steps: Iterator[None] | None = None  # begun and paused (run_background's `until`)
-    tokens: list[int] = field(default_factory=list)  # a part of a prompt: its tokens
-    ranged: bool = False  # its caches restore any prefix of what they hold (a longer part stores its tokens too)
-    ready_at: float = 0.0  # a finished request's insert: not begun before this (time.monotonic; `reply_grace`)
-
-    def said(self) -> str:
-        return f"{self.n_tokens} tokens ({self.cache_type})"
-
-
-@dataclass
 class _Pending:
     """The fetch `_tokenize` made, for the fetch_nearest_cache call that follows it."""
 
@@ -144,6 +120,7 @@ class StoreCache:
         reply_tokens="rendered",
         tenants: tuple[Tenant, ...] = (PUBLIC,),
         spans_weights: bool = False,
+        inserts: InsertSettings | None = None,
     ):
         self.store = store
         self.tenants = tenants
@@ -163,32 +140,8 @@ class StoreCache:
         self._pending: _Pending | None = None
         self.last_hit: Hit | None = None  # the figures of the last begin()'s hit, for its request's log line
         self._busy: deque[tuple[float, float]] = deque(maxlen=1024)  # store calls on the generation thread
-        self._deferred: deque[_Waiting] = deque()  # parts of prompts handed over, not yet done (run_deferred)
-        # Finished requests' inserts, done when no request waits for its first
-        # token (run_background); at most this many wait, each holding its
-        # cache (the server sets it to its batch's size, --decode-concurrency).
-        self.background = True
-        self.background_limit = 32
-        # Whether a request runs the waiting insert of its own conversation's last
-        # reply before its fetch. mlx-lm pads a batch's prompts to the longest, so a
-        # next turn that prefills its previous reply makes every prompt of its batch
-        # that long: on CPU that multiplies the batch's prefill (a round of six
-        # chats on 2 cores: 550 ms to the first tokens against 165); on an H200 a
-        # batch of four ~5k-token chats padded from ~19 to ~69 new tokens took
-        # 60-100 ms longer, a reply's insert alone 21-74 ms, median 38 (docs/serve.md).
-        self.replies_before_fetch = True
-        # Tokens of a reply's prefill between the points where a waiting insert
-        # gives way to a request that came (None: all at once). On CPU a reply of
-        # ~40 tokens took ~30 ms, and the requests of a new conversation arriving
-        # meanwhile waited all of it (chat round 1 of bench_serve: 21-51 ms).
-        self.reply_chunk: int | None = None
-        # Seconds a finished request's insert waits before it may begin (0: at
-        # once). Clients send as a reply ends: bench_serve's chat sends the other
-        # users' requests 6 ms after the first user's reply, and on CPU they
-        # waited 10-18 ms behind the first chunk of its insert, begun at once.
-        # Its next turn, or a close, runs it whatever the grace.
-        self.reply_grace = 0.0
-        self._background: deque[_Waiting] = deque()
+        # When the inserts mlx-lm hands over run (the defaults: InsertSettings's).
+        self.inserts = InsertScheduler(inserts or InsertSettings(), self.counts, self._timed)
 
     @contextmanager
     def _timed(self):
@@ -265,9 +218,9 @@ class StoreCache:
         all of it (StoreRequest.retention).
         """
         prompt = list(prompt)
-        self.run_deferred()  # the fetch finds every part of a prompt handed over before it
-        if self.replies_before_fetch and self._background:
-            self._run_replies_of(prompt)  # and its own conversation's last reply
+        self.inserts.run_deferred()  # the fetch finds every part of a prompt handed over before it
+        if self.inserts.settings.replies_before_fetch and self.inserts.has_background:
+            self.inserts.run_replies_of(prompt)  # and its own conversation's last reply
         request = InFlightRequest(tenant, prompt, chat, retention=tuple(retention))
         tracked: TrackedPrompt = self.inflight.track(request)
         hit = None
@@ -317,23 +270,12 @@ class StoreCache:
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *, cache_type: str = "assistant"):
         """Store what `prompt_cache` (holding `tokens`, or all but the last) adds.
 
-        Who owns the tokens is settled now; the store's work (an index commit
-        synced to disk among it) is done later, never inside a request's time to
-        its first token. A part of a prompt (mlx-lm stores it at a segment's
-        end, before it hands out the prompt's first token) waits for
-        `run_deferred`, which the generation thread calls before a batch step
-        once no request waits for its first token, before it waits for a
-        request, and before any fetch (so a fetch finds every earlier part of a
-        prompt); at most one part of each request waits (its next part replaces
-        it where every cache restores any prefix of what it holds, and runs it
-        first where a layer's state there is had only now). A finished request's
-        insert (its reply, rendered as the next turn will send it, which costs
-        a prefill) waits for `run_background`: when the generation thread has
-        no request to take, or no request in its batch still waits for its
-        first token. The next turn of that conversation, when it comes first,
-        runs it before its fetch (`replies_before_fetch`); without that, it
-        prefills the reply in its own batch and stores it with its prompt, and
-        the insert then finds it stored and costs a lookup.
+        Who owns the tokens is settled now; the store's work is done when the
+        InsertScheduler runs it (serve/insert_scheduler.py): a part of a prompt
+        once the request's first tokens are out, a finished request's insert once
+        nothing waits to be served. Without `replies_before_fetch`, a next turn
+        that comes first prefills the reply in its own batch and stores it with
+        its prompt, and the insert then finds it stored and costs a lookup.
 
         A failed insert is logged and skipped: it must never stop the generation
         thread, and the store leaves itself as it was.
@@ -348,105 +290,17 @@ class StoreCache:
         if work is None:
             return
         if within_prompt:
-            earlier = [waiting for waiting in self._deferred if owners & waiting.owners]
-            if earlier and all(
-                w.ranged and w.owners <= owners and w.tokens == tokens[: len(w.tokens)] for w in earlier
-            ):
-                # Its own request's earlier part, of caches that restore any prefix
-                # and owned by no other request: this insert stores its tokens too
-                # (with the same owners' retention), so it need not run now, in
-                # front of the request's first token.
-                for waiting in earlier:
-                    self._deferred.remove(waiting)
-                    self.counts["prompt_parts_superseded"] += 1
-            elif earlier:
-                self.run_deferred()  # at most one part of each request's prompt waits
             _own_copy(prompt_cache)  # so that what waits holds its request's arrays, not the batch's
-            self._deferred.append(_Waiting(work, len(tokens), cache_type, owners, [], tokens=tokens, ranged=ranged))
-        elif not self.background:
-            self._run(_Waiting(work, len(tokens), cache_type, owners, []))
+            self.inserts.add_part(
+                WaitingInsert(work, len(tokens), cache_type, owners, [], tokens=tokens, ranged=ranged)
+            )
         else:
-            if len(self._background) >= self.background_limit:
-                self._background.popleft()  # the oldest reply: its next turn re-prefills it, if it comes
-                self.counts["reply_inserts_dropped"] += 1
-                log.debug("a finished request's insert dropped: %d wait already", self.background_limit)
             asked = tokens[: min(len(o.prompt) for o in owners)]  # the finished request's prompt
-            ready_at = time.monotonic() + self.reply_grace
-            self._background.append(_Waiting(work, len(tokens), cache_type, owners, asked, ready_at=ready_at))
-
-    def run_deferred(self) -> None:
-        """Do the inserts handed over since the last call, in order (generation thread)."""
-        while self._deferred:
-            self._run(self._deferred.popleft())
-
-    @property
-    def has_background(self) -> bool:
-        return bool(self._background)
-
-    def background_wait(self) -> float:
-        """Seconds until the oldest finished request's insert may begin (0: it
-        may now, or has begun; `reply_grace`); call with `has_background`."""
-        item = self._background[0]
-        return 0.0 if item.steps is not None else max(0.0, item.ready_at - time.monotonic())
+            self.inserts.add_finished(WaitingInsert(work, len(tokens), cache_type, owners, asked))
 
     def awaiting_first_token(self) -> bool:
         """Whether a request in flight has not had its first token handed out."""
         return self.inflight.awaiting_first_token()
-
-    def run_background(self, n: int | None = None, until: Callable[[], bool] | None = None) -> None:
-        """Do up to `n` (all when None) of the finished requests' inserts, oldest
-        first (generation thread), after the parts of prompts handed over before them.
-        until: asked between the chunks of a reply's prefill (`reply_chunk`); once
-        it says so (a request waits), the insert pauses and keeps its place, to go
-        on at the next call or when its conversation's next turn comes."""
-        self.run_deferred()
-        while self._background and (n is None or n > 0):
-            item = self._background.popleft()
-            if self._run(item, until) is None:
-                self._background.appendleft(item)
-                self.counts["reply_inserts_paused"] += 1
-                return
-            n = None if n is None else n - 1
-
-    def _run_replies_of(self, prompt: list[int]) -> None:
-        """Run the waiting inserts of the conversations `prompt` goes on with (their
-        finished request's prompt is a prefix of it), oldest first."""
-        own = [item for item in self._background if _goes_on_with(prompt, item.asked)]
-        for item in own:
-            self._background.remove(item)
-            self._run(item)
-
-    def flush(self) -> tuple[int, list[str]]:
-        """Run every insert still waiting, parts of prompts first (generation
-        thread, at the close): how many were stored, and what was not."""
-        stored, failed = 0, []
-        while self._deferred or self._background:
-            item = (self._deferred or self._background).popleft()
-            if self._run(item):
-                stored += 1
-            else:
-                failed.append(item.said())
-        return stored, failed
-
-    def waiting(self) -> list[str]:
-        """Every insert still waiting, as the closing line names one."""
-        return [item.said() for item in (*self._deferred, *self._background)]
-
-    def _run(self, item: _Waiting, until: Callable[[], bool] | None = None) -> bool | None:
-        """Run an insert to its end (True), or until `until()` between its steps
-        (None: paused, its state kept); False if it failed (logged: the store
-        leaves itself as it was)."""
-        try:
-            with self._timed():
-                if item.steps is None:
-                    item.steps = item.work()
-                for _ in item.steps:
-                    if until is not None and until():
-                        return None
-            return True
-        except Exception:
-            log.exception("insert of %d tokens (%s) not stored", item.n_tokens, item.cache_type)
-            return False
 
     def _prepare_insert(self, model_key, tokens: list[int], prompt_cache):
         """The insert of `tokens` (None if nothing is to be stored), whether the
@@ -465,38 +319,38 @@ class StoreCache:
             return nothing
         tenant = tenants.pop()
         cache = C.adopt_prompt_cache(prompt_cache)
-        held = self._held(cache, len(tokens))
-        if not held:
+        usable = self._usable_length(cache, len(tokens))
+        if not usable:
             return nothing
         reply_of = next((o for o in owners if o.chat is not None and len(tokens) > len(o.prompt)), None)
         space = self._space_for(tenant, cache)
         within_prompt = any(len(tokens) <= len(o.prompt) for o in owners)
         kept = _kept(owners)
         turn = any(o.chat is not None for o in owners)  # a chat's: a client comes back to it
-        work = lambda: self._insert(space, reply_of, tokens, held, cache, kept, turn)  # noqa: E731
+        work = lambda: self._insert(space, reply_of, tokens, usable, cache, kept, turn)  # noqa: E731
         ranged = all(getattr(c, "role", None) == "range" for c in cache)
         return work, within_prompt, frozenset(owners), ranged
 
     def _insert(
-        self, space: Space, reply_of, tokens: list[int], held: int, cache, kept=(), turn=False
+        self, space: Space, reply_of, tokens: list[int], usable: int, cache, kept=(), turn=False
     ) -> Iterator[None]:
         """The insert's steps. kept: how long the owners asked to keep the tokens (_kept);
         turn: a chat request owns them (Space.insert)."""
         started = time.perf_counter()
         if reply_of is not None and self.reply_tokens == "rendered":
-            stored, phases = yield from self._insert_rendered(space, reply_of, tokens, held, cache, kept)
+            stored, phases = yield from self._insert_rendered(space, reply_of, tokens, usable, cache, kept)
         else:
-            stored, phases = space.insert(tokens[:held], cache, retention=_marks(kept, held), turn=turn), {}
+            stored, phases = space.insert(tokens[:usable], cache, retention=_marks(kept, usable), turn=turn), {}
         phases.update(space.last_insert_phases())  # the store's part, phase by phase
         phases["total"] = time.perf_counter() - started
         log.info(
             "insert: %d tokens, %d new; %s",
-            held,
+            usable,
             stored,
             " ".join(f"{k}_ms={v * 1e3:.1f}" for k, v in phases.items()),
         )
 
-    def _held(self, cache: list, n_tokens: int) -> int:
+    def _usable_length(self, cache: list, n_tokens: int) -> int:
         """Positions the cache holds (never more than the tokens named), 0 if unusable."""
         if isinstance(self.model, ModelPair):
             main, draft = cache[: self.model.split], cache[self.model.split :]
@@ -504,23 +358,23 @@ class StoreCache:
             if pm != pd and not C.restore_prompt_cache(main if pm > pd else draft, None, min(pm, pd)):
                 return 0  # the two models' caches cannot be brought to one position
         if all(layer["kind"] == "arrays" for layer in C.prompt_layout(cache)):
-            held = C.prompt_position(cache, n_tokens)  # recurrent layers alone do not know their position
+            usable = C.prompt_position(cache, n_tokens)  # recurrent layers alone do not know their position
         else:
-            held = C.prompt_position(cache)
-        return held if held <= n_tokens else 0
+            usable = C.prompt_position(cache)
+        return usable if usable <= n_tokens else 0
 
     def _space_for(self, tenant: Tenant, cache: list) -> Space:
         spaces = self.spaces(tenant)
         quantized = any(layer["kind"] == "quantized" for layer in C.prompt_layout(cache))
         return spaces[-1] if quantized else spaces[0]
 
-    def _insert_rendered(self, space: Space, request: InFlightRequest, named: list[int], held: int, cache, kept=()):
+    def _insert_rendered(self, space: Space, request: InFlightRequest, named: list[int], usable: int, cache, kept=()):
         """Store the conversation as the next turn renders it, prefilling only
         what differs from what the cache holds. Returns (tokens stored, seconds
         per phase: render, prefill, store).
 
         named: prompt and reply as mlx-lm names them; the cache holds the first
-        `held` (the last reply token may not have been run through the model).
+        `usable` (the last reply token may not have been run through the model).
         """
         t0 = time.perf_counter()
         try:
@@ -531,7 +385,7 @@ class StoreCache:
         except Exception as e:  # a template that cannot render its own reply: keep the tokens
             log.debug("reply not rendered (%s): storing the generated tokens", e)
             rendered = []
-        tokens = named[:held]
+        tokens = named[:usable]
         common = common_prefix(tokens, rendered)
         t1 = time.perf_counter()
         if len(rendered) >= 2 and space.restorable_length(rendered) == len(rendered):
@@ -548,7 +402,7 @@ class StoreCache:
             # store's own fetch, not a request's hit).
             hit = space.fetch(rendered, count=False)
             cache, position = hit.cache, hit.length
-        chunk, spent = self.reply_chunk or len(rendered), time.perf_counter() - t1
+        chunk, spent = self.inserts.settings.reply_chunk or len(rendered), time.perf_counter() - t1
         for lo in range(position, len(rendered), chunk):
             t = time.perf_counter()
             prefill(self.model, cache, rendered, lo, min(lo + chunk, len(rendered)), self.prefill_step)

@@ -158,7 +158,7 @@ def _end(sock: socket.socket, response: bytes) -> None:
 
 class _Refusals:
     """Connections past the cap: answered 503 in the accepting thread (a fresh
-    connection's send buffer is empty, so the write does not wait), then held by
+    connection's send buffer is empty, so the write does not wait), then kept by
     one thread for all of them while what their clients send is dropped, for at
     most LINGER_S each."""
 
@@ -167,7 +167,7 @@ class _Refusals:
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._held = 0
+        self._lingering = 0
         self._thread: threading.Thread | None = None
         self._count, self._logged = 0, 0.0
 
@@ -181,10 +181,10 @@ class _Refusals:
             sock.close()
             return
         with self._lock:
-            if self._held >= LINGER_MAX:
+            if self._lingering >= LINGER_MAX:
                 sock.close()
                 return
-            self._held += 1
+            self._lingering += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="refused connections", daemon=True)
                 self._thread.start()
@@ -204,7 +204,7 @@ class _Refusals:
         deadlines: dict[socket.socket, float] = {}
         while True:
             try:
-                # Nothing held: sleep until a refusal; else pick up new ones between reads.
+                # None lingering: sleep until a refusal; else pick up new ones between reads.
                 block = not deadlines
                 while True:
                     sock, deadline = self._queue.get(block=block)
@@ -235,7 +235,7 @@ class _Refusals:
         del deadlines[sock]
         sock.close()
         with self._lock:
-            self._held -= 1
+            self._lingering -= 1
 
 
 class CappedServer(ThreadingHTTPServer):

@@ -12,7 +12,7 @@ inside whatever request meets it. Three prompts' prefill of 281 tokens each
 over 772 restored (the CPU chat's first round, the bench's small llama, 2
 cores) took 341 ms in a fresh process, with ~44,000 page faults, and 300 ms
 the time after, with none; with a reserve, 302 ms the first time, with 41
-(medians of five processes each way, `tools/bench/probe_heap.py`). In
+(medians of five processes each way, `tools/bench/probe_heap.py`, in git history at commit a077c50). In
 mlx_lm.server and in `promptstore serve` without it, that round faulted
 ~40,000-45,000 pages.
 

@@ -1,18 +1,17 @@
 """The `promptstore serve` command line: every option of mlx_lm.server's own
-parser (taken from its main(), so none is copied or lost), plus promptstore's:
-the store, API keys, the model's identity, limits and store settings."""
+parser (taken from its main(), so none is copied or lost: mlx_lm_server.py),
+plus promptstore's: the store, API keys, the model's identity, limits and store
+settings."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import types
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm import server as mlx_server
 from pydantic import ByteSize, TypeAdapter
 
 from ..config import ENV_PREFIX, Settings
@@ -21,9 +20,11 @@ from .arrivals import GATHER_S
 from .connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from .door import BODY_SECONDS, DEFAULT_MAX_BODY_BYTES
 from .heap import DEFAULT_RESERVE
+from .mlx_lm_server import mlx_lm_parser
 
 # --prefill-step-size's default. On 2 CPU cores (the demo's llama, float32,
-# OpenBLAS; tools/bench/probe_prefill_step.py, bench-results/prefill-step-cpu.json)
+# OpenBLAS; tools/bench/probe_prefill_step.py in git history at commit e209242,
+# bench-results/prefill-step-cpu.json)
 # a 1,048-token prefill on 1,028 stored tokens took 704 ms in steps of 2,048, 634
 # in steps of 512 and 567 in steps of 256; 4,096 fresh tokens 3,813, 2,913 and
 # 2,599 ms. 256 split the chat's 259-token segments into a step of 256 and one
@@ -43,46 +44,13 @@ UNUSED_SETTINGS = ("prefill_step",)
 # are soldered in: unless told otherwise, write what is reused, a conversation
 # gone idle and, at a stop, every chat turn and conversation; never a one-off prompt (the
 # store's own default keeps inserts in memory until eviction or close).
-# README's "What the store writes" has the measurements (tools/bench/bench_wear.py).
+# docs/durability.md has the measurements (tools/bench/bench_wear.py).
 SERVE_DURABILITY = "admit"
 SERVE_DEFAULTS = {
     "durability": f" (default: {SERVE_DURABILITY} here)",
     "warm_start": " (default: true here)",
     "hot_bytes": " (default here: --prompt-cache-bytes when given, else a quarter of a GPU's memory)",
 }
-
-
-class _Captured(Exception):
-    def __init__(self, parser: argparse.ArgumentParser):
-        super().__init__("parser captured")
-        self.parser = parser
-
-
-def mlx_lm_parser() -> argparse.ArgumentParser:
-    """mlx_lm.server's parser with every option it defines.
-
-    Its main() builds the parser inline; run it with an ArgumentParser whose
-    parse_args hands the finished parser back instead of parsing.
-    """
-
-    class Capturing(argparse.ArgumentParser):
-        def parse_args(self, *args, **kwargs):
-            raise _Captured(self)
-
-    shim = types.SimpleNamespace(**vars(argparse))
-    shim.ArgumentParser = Capturing
-    saved = mlx_server.argparse
-    mlx_server.argparse = shim
-    try:
-        mlx_server.main()
-    except _Captured as captured:
-        captured.parser.__class__ = argparse.ArgumentParser  # parse normally from now on
-        return captured.parser
-    finally:
-        mlx_server.argparse = saved
-    raise ServeConfigError(
-        "mlx_lm.server.main() no longer parses its arguments with argparse; promptstore cannot serve"
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,7 +217,7 @@ def _add_options(group) -> None:
         metavar="FILE",
         help="a JSON list of message arrays (as a chat completion's messages) a deployment sends at the start "
         "of its conversations, e.g. its system prompt: each is prefilled and stored at start unless the store "
-        "holds it already, so the first conversation restores it too (serve/warm_prompts.py)",
+        "holds it already, so the first conversation restores it too (serve/known_prompts.py)",
     )
     group.add_argument(
         "--shutdown-timeout",

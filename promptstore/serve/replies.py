@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .mlx_lm_server import hf_tokenizer
+
 
 @dataclass
 class ChatTurn:
@@ -87,7 +89,7 @@ def _spliced(tokenizer, turn: ChatTurn, messages: list[dict], prompt: list[int])
 def plain_special_tokens(tokenizer) -> dict[int, str]:
     """{id: text} of the tokenizer's added tokens that match their text exactly
     (no whitespace stripped around them, no normalization)."""
-    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    inner = hf_tokenizer(tokenizer)
     decoder = getattr(inner, "added_tokens_decoder", None) or {}
     out = {}
     for token_id, added in decoder.items():

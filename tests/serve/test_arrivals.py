@@ -10,6 +10,7 @@ import pytest
 from mlx_lm.server import TimeBudget
 
 from promptstore.serve.arrivals import ArrivalBudget, Arrivals
+from promptstore.serve.insert_scheduler import InsertSettings
 
 
 def test_with_nothing_being_checked_gather_returns_at_once():
@@ -129,7 +130,7 @@ def test_a_request_already_waiting_still_lets_one_step_run_each_time():
 
 
 def test_the_generator_wraps_the_budget_mlx_lm_sets():
-    from promptstore.serve.server import StoreResponseGenerator
+    from promptstore.serve.loop import StoreResponseGenerator
 
     gen = StoreResponseGenerator.__new__(StoreResponseGenerator)
     gen.requests = Queue()
@@ -151,10 +152,12 @@ def test_serve_refuses_an_arrival_wait_outside_0_to_10_seconds(capsys, wait):
 
 
 class WaitingInserts:
-    """The generation thread's view of the store's cache: finished requests' inserts waiting."""
+    """The generation thread's view of the store's cache and its insert scheduler:
+    finished requests' inserts waiting."""
 
     def __init__(self, n: int, replies_before_fetch: bool = True, reply_chunk: int | None = None):
-        self.waiting, self.replies_before_fetch, self.reply_chunk = n, replies_before_fetch, reply_chunk
+        self.waiting = n
+        self.settings = InsertSettings(replies_before_fetch=replies_before_fetch, reply_chunk=reply_chunk)
 
     @property
     def has_background(self) -> bool:
@@ -180,11 +183,11 @@ def test_while_requests_are_checked_the_idle_generation_thread_stores_waiting_re
     first anyway (a GPU's reply is one forward); otherwise, and where inserts run
     in short chunks (CPU: the request being checked may be a new conversation's,
     which must not wait behind another's reply), the thread waits for the check."""
-    from promptstore.serve.server import StoreResponseGenerator
+    from promptstore.serve.loop import StoreResponseGenerator
 
     gen = StoreResponseGenerator.__new__(StoreResponseGenerator)
     gen.requests, gen.arrivals, gen._is_distributed, gen._closing = Queue(), Arrivals(bound=0.05), False, None
-    gen.store_cache = WaitingInserts(2, replies_first, chunk)
+    gen.store_cache = gen.inserts = WaitingInserts(2, replies_first, chunk)
     overlaps = replies_first and chunk is None
     with gen.arrivals.checking() as token:  # a request being checked, not yet queued
         assert gen._next_request(timeout=0.01) is None
@@ -198,7 +201,7 @@ def test_while_requests_are_checked_the_idle_generation_thread_stores_waiting_re
 
 
 class GracedInserts(WaitingInserts):
-    """A finished request's insert within its grace (StoreCache.reply_grace)."""
+    """A finished request's insert within its grace (InsertSettings.reply_grace)."""
 
     def __init__(self, n: int, grace: float):
         super().__init__(n, replies_before_fetch=True, reply_chunk=8)
@@ -212,12 +215,12 @@ def test_a_finished_requests_insert_waits_its_grace_and_a_request_sent_meanwhile
     """Neither an idle generation thread nor a batch step begins a finished
     request's insert within its grace: a request sent as the reply ended is
     taken at once; the idle thread waits on the queue until the grace ends."""
-    from promptstore.serve.server import StoreResponseGenerator
+    from promptstore.serve.loop import StoreResponseGenerator
 
     gen = StoreResponseGenerator.__new__(StoreResponseGenerator)
     gen.requests, gen.arrivals, gen._is_distributed, gen._closing = Queue(), Arrivals(bound=0.05), False, None
     gen._stop = False
-    gen.store_cache = GracedInserts(1, grace=0.3)
+    gen.store_cache = gen.inserts = GracedInserts(1, grace=0.3)
     gen._before_step()  # a step while the batch only decodes
     assert gen.store_cache.waiting == 1
     threading.Timer(0.05, gen.requests.put, args=["a request sent as the reply ended"]).start()

@@ -2,6 +2,7 @@
 lands in when several tenants' requests are in flight, and segment cuts."""
 
 import gc
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -10,7 +11,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from promptstore import PromptStore
 from promptstore import caches as C
 from promptstore.index import namespace
-from promptstore.serve.cache import StoreCache, _goes_on_with, split_segments
+from promptstore.serve.cache import StoreCache, split_segments
+from promptstore.serve.insert_scheduler import _goes_on_with
 from promptstore.serve.replies import ChatTurn, rendered_turn
 from promptstore.serve.tenants import Tenant
 
@@ -35,8 +37,13 @@ def filled(cache, tokens):
     return kv
 
 
+def tuned(cache, **settings) -> None:
+    """The cache's insert scheduler with these settings (InsertSettings's fields)."""
+    cache.inserts.settings = replace(cache.inserts.settings, **settings)
+
+
 def stored(cache, tenant, tokens) -> int:
-    cache.run_background()  # as the generation thread does once idle (parts of prompts first)
+    cache.inserts.run_background()  # as the generation thread does once idle (parts of prompts first)
     return cache.spaces(tenant)[0].fetch(tokens + [0]).length
 
 
@@ -110,24 +117,24 @@ def test_prompt_inserts_wait_for_the_next_step_or_fetch_and_keep_their_owner(cac
     theirs = ([3, 3] + prompt)[:7]
     cache.insert_cache(cache.model_key, theirs, filled(cache, theirs), cache_type="system")
     space = cache.spaces(ALICE)[0]
-    assert space.fetch(prompt + [0]).length == 0 and len(cache._deferred) == 2  # one of each request
+    assert space.fetch(prompt + [0]).length == 0 and len(cache.inserts._deferred) == 2  # one of each request
     cache.insert_cache(cache.model_key, prompt, filled(cache, prompt))  # Alice's next part
-    assert cache.counts["prompt_parts_superseded"] == 1 and len(cache._deferred) == 2
+    assert cache.counts["prompt_parts_superseded"] == 1 and len(cache.inserts._deferred) == 2
     assert space.fetch(prompt + [0]).length == 0  # nothing ran in front of the request's first token
     del alice, carol  # the requests ended before the last insert ran
     gc.collect()
     bob, _ = cache.begin(BOB, longer, None, ())  # a fetch: the inserts run first
-    assert not cache._deferred and cache.counts["inserts_skipped_unowned"] == 0
+    assert not cache.inserts._deferred and cache.counts["inserts_skipped_unowned"] == 0
     assert space.fetch(prompt + [0]).length == len(prompt)
     assert cache.spaces(BOB)[0].fetch(longer).length == 0  # Alice's, not Bob's
     reply = longer + [9, 9, 9]
     cache.insert_cache(cache.model_key, reply, filled(cache, reply))
-    cache.run_deferred()
-    cache.replies_before_fetch = False
+    cache.inserts.run_deferred()
+    tuned(cache, replies_before_fetch=False)
     cache.begin(BOB, reply + [1], None, ())  # a fetch does not wait for it
-    assert cache.has_background and cache.spaces(BOB)[0].fetch(reply + [0]).length == 0
-    cache.run_background(1)
-    assert not cache.has_background and cache.spaces(BOB)[0].fetch(reply + [0]).length == len(reply)
+    assert cache.inserts.has_background and cache.spaces(BOB)[0].fetch(reply + [0]).length == 0
+    cache.inserts.run_background(1)
+    assert not cache.inserts.has_background and cache.spaces(BOB)[0].fetch(reply + [0]).length == len(reply)
     assert bob
 
 
@@ -135,22 +142,22 @@ def test_a_finished_requests_insert_waits_its_grace_unless_its_next_turn_comes(c
     """With a grace (CPU), a finished request's insert may not begin at once
     (background_wait); its conversation's next turn runs it before its fetch all
     the same, and the grace does not hold one already begun."""
-    cache.reply_grace = 5.0
+    tuned(cache, reply_grace=5.0)
     prompt = list(range(10, 40))
     reply = prompt + [9, 9, 9]
     request, _ = cache.begin(ALICE, prompt, None, ())
     cache.insert_cache(cache.model_key, reply, filled(cache, reply))
-    assert cache.has_background and 4.0 < cache.background_wait() <= 5.0
+    assert cache.inserts.has_background and 4.0 < cache.inserts.background_wait() <= 5.0
     space = cache.spaces(ALICE)[0]
     assert space.fetch(reply + [0]).length < len(reply)
     cache.begin(ALICE, reply + [1], None, ())  # its next turn
-    assert not cache.has_background and space.fetch(reply + [0]).length == len(reply)
+    assert not cache.inserts.has_background and space.fetch(reply + [0]).length == len(reply)
     other = list(range(50, 80))
     second, _ = cache.begin(ALICE, other, None, ())
     cache.insert_cache(cache.model_key, other + [7], filled(cache, other + [7]))
-    cache._background[0].steps = iter(())  # begun, then paused
-    assert cache.background_wait() == 0.0
-    cache.reply_grace = 0.0
+    cache.inserts._background[0].steps = iter(())  # begun, then paused
+    assert cache.inserts.background_wait() == 0.0
+    tuned(cache, reply_grace=0.0)
     assert request and second
 
 
@@ -166,10 +173,10 @@ def test_a_recurrent_models_earlier_part_is_stored_before_its_next_part_waits(tm
         alice, _ = cache.begin(ALICE, prompt, None, ())
         cache.insert_cache(cache.model_key, prompt[:20], filled(cache, prompt[:20]), cache_type="system")
         cache.insert_cache(cache.model_key, prompt, filled(cache, prompt))
-        assert cache.counts["prompt_parts_superseded"] == 0 and len(cache._deferred) == 1
+        assert cache.counts["prompt_parts_superseded"] == 0 and len(cache.inserts._deferred) == 1
         space = cache.spaces(ALICE)[0]
         assert space.fetch(prompt[:20] + [0]).length == 20  # the earlier part ran
-        cache.run_deferred()
+        cache.inserts.run_deferred()
         assert space.fetch(prompt + [0]).length == len(prompt)
         for n in (20, len(prompt)):
             asked = prompt[:n] + [0]
@@ -186,16 +193,16 @@ def test_with_replies_before_fetch_a_next_turn_runs_its_own_conversations_reply_
     (every prompt of the batch grows to its length): the next turn's fetch runs
     its own conversation's waiting insert first (the default); another
     conversation's still waits."""
-    assert cache.replies_before_fetch
+    assert cache.inserts.settings.replies_before_fetch
     mine, other = list(range(10, 40)), list(range(50, 80))
     tracked = [cache.begin(ALICE, p, None, ())[0] for p in (mine, other)]
     for p in (mine, other):
         cache.insert_cache(cache.model_key, p + [7, 7], filled(cache, p + [7, 7]))
-    assert len(cache._background) == 2
+    assert len(cache.inserts._background) == 2
     nxt = mine + [7, 7, 5, 6]
     cache.begin(ALICE, nxt, None, ())
     assert cache.last_hit.length == len(mine) + 2  # the reply was stored before the fetch
-    assert len(cache._background) == 1 and cache.spaces(ALICE)[0].fetch(other + [7, 7, 0]).length == 0
+    assert len(cache.inserts._background) == 1 and cache.spaces(ALICE)[0].fetch(other + [7, 7, 0]).length == 0
     assert tracked
 
 
@@ -208,17 +215,17 @@ def test_a_prompt_goes_on_with_an_earlier_prompt_only_when_that_is_its_prefix():
 
 
 def test_finished_requests_inserts_wait_at_most_the_limit_and_the_oldest_goes(cache):
-    """Each waiting insert holds its request's cache: past background_limit the
+    """Each waiting insert holds its request's cache: past finished_limit the
     oldest is dropped (counted), the others are stored oldest first, one per call."""
-    cache.background_limit = 2
+    tuned(cache, finished_limit=2)
     prompts = [[10 + i] + list(range(20, 40)) for i in range(3)]
     tracked = [cache.begin(ALICE, p, None, ())[0] for p in prompts]
     for p in prompts:
         cache.insert_cache(cache.model_key, p + [7, 7], filled(cache, p + [7, 7]))
-    assert cache.counts["reply_inserts_dropped"] == 1 and len(cache._background) == 2
+    assert cache.counts["reply_inserts_dropped"] == 1 and len(cache.inserts._background) == 2
     space, n = cache.spaces(ALICE)[0], len(prompts[0]) + 2
-    cache.run_background(1)
-    assert len(cache._background) == 1
+    cache.inserts.run_background(1)
+    assert len(cache.inserts._background) == 1
     assert [space.fetch(p + [7, 7, 0]).length for p in prompts] == [0, n, 0]
     assert [stored(cache, ALICE, p + [7, 7]) for p in prompts] == [0, n, n]
     assert tracked
@@ -238,7 +245,7 @@ def test_a_reply_the_next_turn_stored_first_is_not_prefilled_again(cache):
     rendered = rendered_turn(tok, turn, generated, prompt)
     next_prompt = rendered + tok.encode(" and then", add_special_tokens=False)
     cache.spaces(ALICE)[0].insert(next_prompt, C.adopt_prompt_cache(filled(cache, next_prompt)))  # stored first
-    cache.run_background()
+    cache.inserts.run_background()
     assert cache.counts["reply_inserts_already_stored"] == 1 and cache.counts["reply_tokens_prefilled"] == 0
     # Without the next turn first, the reply is prefilled as rendered and stored.
     other = [{"role": "user", "content": "Something else"}]
@@ -246,7 +253,7 @@ def test_a_reply_the_next_turn_stored_first_is_not_prefilled_again(cache):
     turn = ChatTurn(other, None, {})
     request, _ = cache.begin(ALICE, prompt, turn, ())
     cache.insert_cache(cache.model_key, prompt + generated, filled(cache, prompt + generated[:-1]))
-    cache.run_background()
+    cache.inserts.run_background()
     rendered = rendered_turn(tok, turn, generated, prompt)
     assert cache.counts["reply_tokens_prefilled"] > 0
     assert cache.spaces(ALICE)[0].restorable_length(rendered) == len(rendered)
@@ -284,7 +291,7 @@ def test_with_kv_bits_a_fetch_restores_in_one_namespace_only(tmp_path, model_dir
         request, _ = cache.begin(ALICE, prompt, None, ())
         assert plain.last_hit is not None and quantized.last_hit is None  # a miss in both: one fetch
         cache.insert_cache(cache.model_key, prompt, filled(cache, prompt))
-        cache.run_background()
+        cache.inserts.run_background()
         plain.last_hit = None
         request, _ = cache.begin(ALICE, prompt + [5, 6], None, ())
         assert cache.last_hit is not None and cache.last_hit.length == len(prompt)
@@ -296,7 +303,7 @@ def test_a_reply_prefill_gives_way_between_chunks_and_goes_on_later(cache):
     """On CPU a waiting reply's prefill runs in chunks (reply_chunk) and pauses
     when a request waits; it keeps its place and state, and what it stores once
     done is what one whole prefill computes."""
-    cache.reply_chunk = 8
+    tuned(cache, reply_chunk=8)
     tok = cache.tokenizer
     messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Hello there"}]
     prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
@@ -309,12 +316,12 @@ def test_a_reply_prefill_gives_way_between_chunks_and_goes_on_later(cache):
     rendered = rendered_turn(tok, turn, generated, prompt)
     space = cache.spaces(ALICE)[0]
     asked = []
-    cache.run_background(until=lambda: asked.append(1) or True)  # a request waits at once
-    assert asked == [1] and cache.counts["reply_inserts_paused"] == 1 and len(cache._background) == 1
+    cache.inserts.run_background(until=lambda: asked.append(1) or True)  # a request waits at once
+    assert asked == [1] and cache.counts["reply_inserts_paused"] == 1 and len(cache.inserts._background) == 1
     assert space.restorable_length(rendered) < len(rendered)  # paused after its first chunk: nothing stored
-    cache.run_background()  # on from where it paused
-    assert not cache._background and space.restorable_length(rendered) == len(rendered)
-    assert cache.counts["reply_tokens_prefilled"] > 2 * cache.reply_chunk
+    cache.inserts.run_background()  # on from where it paused
+    assert not cache.inserts._background and space.restorable_length(rendered) == len(rendered)
+    assert cache.counts["reply_tokens_prefilled"] > 2 * cache.inserts.settings.reply_chunk
     hit = space.fetch([*rendered, 5])
     assert hit.length == len(rendered)
     restored = cache.model(mx.array([[5]]), cache=hit.cache)[0, -1]

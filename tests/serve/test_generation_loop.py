@@ -13,10 +13,12 @@ from mlx_lm import server as mlx_server
 
 from promptstore import PromptStore
 from promptstore.errors import GenerationFailed
-from promptstore.serve import server as serve_server
 from promptstore.serve.apis.chat import ChatRequest
-from promptstore.serve.cache import StoreCache
+from promptstore.serve.checks import StoreRequest
+from promptstore.serve.loop import RESTARTS, StoreResponseGenerator
 from promptstore.serve.options import build_parser, store_settings
+from promptstore.serve.provider import StoreModelProvider
+from promptstore.serve.server import store_cache
 from promptstore.serve.tenants import KeyRing
 
 from .conftest import QUESTIONS, SYSTEM, reference_reply
@@ -29,8 +31,9 @@ def generator(model_dir, tmp_path):
     """A started StoreResponseGenerator over a real store (closed at the end)."""
     args = build_parser().parse_args(["--model", str(model_dir("llama")), "--store", str(tmp_path / "store")])
     store = PromptStore.open(args.store, **store_settings(args))
-    cache = StoreCache(store)
-    gen = serve_server.StoreResponseGenerator(serve_server.StoreModelProvider(args, cache), cache, KeyRing(None))
+    keyring = KeyRing(None)
+    cache = store_cache(store, args, keyring)  # as the server makes it
+    gen = StoreResponseGenerator(StoreModelProvider(args, cache), cache, keyring)
     deadline = time.monotonic() + 120
     while not gen.model_provider.ready and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -43,7 +46,7 @@ def generator(model_dir, tmp_path):
 def reply(gen, messages=MESSAGES, stop=()) -> list[int]:
     """Greedy tokens of a chat request sent straight to the generator (no door)."""
     chat = ChatRequest("default_model", messages, None, 6, list(stop), False, {"temperature": 0.0})
-    request = serve_server.StoreRequest(**vars(chat.completion_request()))
+    request = StoreRequest(**vars(chat.completion_request()))
     ctx, responses = gen.generate(request, chat.generation_arguments(gen.cli_args))
     try:
         return [r.token for r in responses]
@@ -85,7 +88,7 @@ def test_too_many_failures_stop_generation_and_the_server_exits(generator, monke
         raise RuntimeError("a fault in every batch step")
 
     monkeypatch.setattr(mlx_server.BatchGenerator, "next", next_step)
-    for _ in range(serve_server.RESTARTS + 1):
+    for _ in range(RESTARTS + 1):
         with pytest.raises(GenerationFailed):
             reply(generator)
     status, body = generator.health()

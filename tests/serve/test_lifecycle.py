@@ -26,7 +26,7 @@ from .conftest import (
 )
 
 # What a SIGKILL keeps of a conversation's first turn (its prompt and reply),
-# killed while the second streams, by durability (README, "What the store writes"):
+# killed while the second streams, by durability (docs/durability.md):
 # sync writes it before the next request is served; write_through has queued it
 # (written within the 2 s the test waits); admit writes a reused turn at its next
 # tick (the second request reused it); write_back writes only what memory evicts.

@@ -1,16 +1,24 @@
 """What `promptstore serve` relies on in mlx_lm.server, pinned: these fail
 loudly when an mlx-lm release changes the seam (raise the pin in pyproject
-only once they pass)."""
+only once they pass). The seam is one module, serve/mlx_lm_server.py, which
+refuses an mlx-lm outside the pin when it is imported."""
 
 import ast
 import importlib.metadata
 import inspect
+import tomllib
+from pathlib import Path
 
+import pytest
 from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache
 
+from promptstore.errors import ServeConfigError
 from promptstore.serve.cache import StoreCache
-from promptstore.serve.options import build_parser, mlx_lm_parser
+from promptstore.serve.mlx_lm_server import check_version, installed_version, mlx_lm_parser, pinned_range
+from promptstore.serve.options import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SOURCE = inspect.getsource(mlx_server)
 
@@ -21,6 +29,51 @@ def _params(fn) -> list[str]:
 
 def test_mlx_lm_is_the_pinned_release():
     assert importlib.metadata.version("mlx-lm").startswith("0.32.")
+    assert installed_version() == importlib.metadata.version("mlx-lm")
+
+
+def test_the_range_checked_is_the_pin_in_pyproject():
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pinned = [d for d in dependencies if d.startswith("mlx-lm")]
+    assert len(pinned) == 1
+    assert sorted(pinned_range().split(",")) == sorted(pinned[0].removeprefix("mlx-lm").split(","))
+    check_version(installed_version(), pinned_range())  # what this environment runs passes
+
+
+@pytest.mark.parametrize("version", ["0.32.2", "0.32.9", "0.32.10.dev1"])
+def test_a_version_within_the_range_is_taken(version):
+    check_version(version, ">=0.32.2,<0.33")
+
+
+@pytest.mark.parametrize("version", ["0.31.3", "0.32.1", "0.33.0", "0.33", "0.33.0rc1", "1.0.0", "unknown"])
+def test_a_version_outside_the_range_is_refused_in_one_line_naming_the_range(version):
+    with pytest.raises(ServeConfigError) as refused:
+        check_version(version, "<0.33,>=0.32.2")  # as the installed metadata writes it
+    said = str(refused.value)
+    assert "\n" not in said and f"mlx-lm {version} is installed" in said
+    assert "supports mlx-lm >=0.32.2,<0.33" in said
+
+
+def test_a_missing_mlx_lm_is_refused_and_no_pin_checks_nothing():
+    with pytest.raises(ServeConfigError, match="mlx-lm is not installed; promptstore serve supports mlx-lm >=0.32.2"):
+        check_version(None, ">=0.32.2,<0.33")
+    check_version("9.9", None)
+
+
+def test_only_the_seam_imports_mlx_lm_server():
+    """mlx_lm.server (and its names) are imported by serve/mlx_lm_server.py alone:
+    every private point it touches is there, each checked by the version range."""
+    importing = []
+    for path in sorted((ROOT / "promptstore").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n == "mlx_lm.server" or n.startswith("mlx_lm.server.") for n in names):
+                importing.append(str(path.relative_to(ROOT)))
+    assert sorted(set(importing)) == ["promptstore/serve/mlx_lm_server.py"]
 
 
 def test_the_prompt_cache_is_used_only_through_methods_the_store_cache_has():
@@ -127,3 +180,24 @@ def test_the_loop_the_deferred_inserts_hook_into():
     flat = "".join(src.split())
     assert "timeout=(Noneif(batch_generatorisnotNoneandlen(batch_results)>0)else0.1)" in flat
     assert "iflen(batch_results)==0:" in flat
+
+
+def test_every_private_point_the_seam_touches_is_there():
+    """serve/mlx_lm_server.py's private points, by name: a release that drops one
+    fails here rather than in a running server."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    for name in ("_run_generate", "_generate", "_next_request", "_tokenize", "_make_state_machine"):
+        assert callable(getattr(mlx_server.ResponseGenerator, name)), name
+    init = inspect.getsource(mlx_server.ResponseGenerator.__init__)
+    for name in ("self._stop = False", "self._generation_failed = False", "self._generation_thread = Thread("):
+        assert name in init, name
+    assert "self._generation_failed" in inspect.getsource(mlx_server.ResponseGenerator.generation_available)
+    assert _params(mlx_server.ResponseGenerator._make_state_machine) == ["self", "model_key", "tokenizer", "stop_words"]
+    for name in ("_set_completion_headers", "_set_stream_headers"):
+        assert _params(getattr(mlx_server.APIHandler, name)) == ["self", "status_code"], name
+    # A refusal unwinds past this `except Exception` (which answers 404) with a BaseException.
+    handle = inspect.getsource(mlx_server.APIHandler.handle_completion)
+    assert "self.response_generator.generate(" in handle and "except Exception as e:" in handle
+    assert "self._tokenizer = tokenizer" in inspect.getsource(TokenizerWrapper.__init__)
+    assert mlx_server.argparse is __import__("argparse") and "parser.parse_args()" in inspect.getsource(mlx_server.main)

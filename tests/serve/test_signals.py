@@ -1,5 +1,5 @@
 """How `promptstore serve` takes SIGTERM and SIGINT: a KeyboardInterrupt in the main
-thread, except where one would leave a lock of logging's held (then the signal comes
+thread, except where one would leave a lock of logging's taken (then the signal comes
 again a moment later); the end-to-end cases are in test_lifecycle.py."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from promptstore.serve.server import RESIGNAL_TIMES, _in_logging, _Shutdown
+from promptstore.serve.shutdown import RESIGNAL_TIMES, Shutdown, _in_logging
 
 NEVER = 1e9  # the shutdown's own deadline (os._exit) never comes in a test
 
@@ -43,7 +43,7 @@ def test_a_signal_inside_logging_comes_again_and_then_stops_serving():
 
     previous = signal.signal(signal.SIGUSR1, record)
     try:
-        shutdown = _Shutdown(NEVER)
+        shutdown = Shutdown(NEVER)
         inside = _frame_inside_logging()
         assert _in_logging(inside) and not _in_logging(sys._getframe())
         shutdown._on_signal(signal.SIGUSR1, inside)  # no KeyboardInterrupt there
@@ -60,11 +60,11 @@ def test_a_signal_inside_logging_comes_again_and_then_stops_serving():
 
 
 def test_a_signal_that_keeps_landing_inside_logging_stops_serving_there_in_the_end(monkeypatch):
-    """A main thread held inside logging (a write to a pipe nobody reads) still stops:
+    """A main thread kept inside logging (a write to a pipe nobody reads) still stops:
     after RESIGNAL_TIMES deliveries in a row the signal raises where it lands."""
     sent = []
-    monkeypatch.setattr("promptstore.serve.server.threading.Timer", _Recorder(sent))
-    shutdown, inside = _Shutdown(NEVER), _frame_inside_logging()
+    monkeypatch.setattr("promptstore.serve.shutdown.threading.Timer", _Recorder(sent))
+    shutdown, inside = Shutdown(NEVER), _frame_inside_logging()
     for _ in range(RESIGNAL_TIMES):
         shutdown._on_signal(signal.SIGTERM, inside)
     assert len(sent) == RESIGNAL_TIMES and not shutdown.started
@@ -93,29 +93,29 @@ class _Idle:
 
 
 def test_a_signal_while_the_store_opens_stops_serving_once_it_is_open():
-    """held(): the signal raises nothing inside the block (where the store is
+    """signals_postponed(): the signal raises nothing inside the block (where the store is
     being opened and its warm start begins), then KeyboardInterrupt once the
     block is done, its result in hand; the shutdown's deadline started at the
     signal."""
-    shutdown = _Shutdown(NEVER)
+    shutdown = Shutdown(NEVER)
     opened = None
     with pytest.raises(KeyboardInterrupt):
-        with shutdown.held():
+        with shutdown.signals_postponed():
             shutdown._on_signal(signal.SIGTERM, sys._getframe())  # nothing raised here
             assert shutdown.started
             opened = "store"
-    assert opened == "store" and not shutdown.holding
-    with pytest.raises(KeyboardInterrupt):  # held no longer: the next one acts where it lands
-        _Shutdown(NEVER)._on_signal(signal.SIGTERM, sys._getframe())
+    assert opened == "store" and not shutdown.postponing
+    with pytest.raises(KeyboardInterrupt):  # postponed no longer: the next one acts where it lands
+        Shutdown(NEVER)._on_signal(signal.SIGTERM, sys._getframe())
 
 
 def test_a_block_without_a_signal_or_with_its_own_error_is_left_as_it_is():
-    shutdown = _Shutdown(NEVER)
-    with shutdown.held():
+    shutdown = Shutdown(NEVER)
+    with shutdown.signals_postponed():
         pass
     assert not shutdown.started
     with pytest.raises(ValueError):  # the open's own error goes first, signal or not
-        with shutdown.held():
+        with shutdown.signals_postponed():
             shutdown._on_signal(signal.SIGTERM, sys._getframe())
             raise ValueError("no store")
-    assert not shutdown.holding
+    assert not shutdown.postponing

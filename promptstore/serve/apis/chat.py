@@ -9,8 +9,14 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from mlx_lm import server as mlx_server
-
+from ..mlx_lm_server import (
+    CompletionRequest,
+    GenerationArguments,
+    LogitsProcessorArguments,
+    ModelDescription,
+    SamplingArguments,
+    process_message_content,
+)
 from ..replies import common_prefix
 
 
@@ -40,17 +46,17 @@ class ChatRequest:
     retention: str | None = None
     cache_key: str | None = None
 
-    def completion_request(self) -> mlx_server.CompletionRequest:
-        return mlx_server.CompletionRequest("chat", "", self.messages, self.tools, None)
+    def completion_request(self) -> CompletionRequest:
+        return CompletionRequest("chat", "", self.messages, self.tools, None)
 
-    def generation_arguments(self, cli_args) -> mlx_server.GenerationArguments:
+    def generation_arguments(self, cli_args) -> GenerationArguments:
         """mlx_lm.server's arguments for this request: what it sent, the server's
         defaults for the rest (as mlx_lm.server's handler takes them), no logits
         processors (these APIs have none)."""
         given = self.sampling
-        return mlx_server.GenerationArguments(
-            model=mlx_server.ModelDescription(model=self.model, draft="default_model", adapter=None),
-            sampling=mlx_server.SamplingArguments(
+        return GenerationArguments(
+            model=ModelDescription(model=self.model, draft="default_model", adapter=None),
+            sampling=SamplingArguments(
                 temperature=given.get("temperature", cli_args.temp),
                 top_p=given.get("top_p", cli_args.top_p),
                 top_k=int(given.get("top_k", cli_args.top_k)),
@@ -58,7 +64,7 @@ class ChatRequest:
                 xtc_probability=0.0,
                 xtc_threshold=0.1,
             ),
-            logits=mlx_server.LogitsProcessorArguments(None, 0.0, 20, 0.0, 20, 0.0, 20),
+            logits=LogitsProcessorArguments(None, 0.0, 20, 0.0, 20, 0.0, 20),
             stop_words=self.stop,
             max_tokens=self.max_tokens,
             num_draft_tokens=cli_args.num_draft_tokens,
@@ -115,7 +121,7 @@ def render(tokenizer, messages: list[dict], tools, template_kwargs: dict) -> lis
     """Tokens of a conversation as mlx_lm.server renders one (content parts joined,
     tool call arguments parsed), without the generation prompt."""
     messages = copy.deepcopy(messages)
-    mlx_server.process_message_content(messages)
+    process_message_content(messages)
     tokens = tokenizer.apply_chat_template(
         messages, tools=tools, add_generation_prompt=False, tokenize=True, **template_kwargs
     )

@@ -10,8 +10,9 @@ import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from mlx_lm import server as mlx_server
 from mlx_lm.generate import TextStateMachine
+
+from ..mlx_lm_server import ToolCallFormatter
 
 log = logging.getLogger("promptstore.serve")
 
@@ -45,7 +46,7 @@ Event = Text | ToolCall | Finish
 def reply_events(ctx, responses: Iterable, tools, tokenizer, stop_words: list[str]) -> Iterator[Event]:
     """Events of one reply; `ctx` and `responses` are what ResponseGenerator.generate returned."""
     state = ctx.text_sm.make_state(ctx.initial_state)
-    formatter = mlx_server.ToolCallFormatter(ctx.tool_parser, tools)
+    formatter = ToolCallFormatter(ctx.tool_parser, tools)
     previous, tool_text, reason, called = ctx.initial_state, "", "stop", False
     tokens, reasoning_tokens = [], 0
     for response in responses:

@@ -120,7 +120,7 @@ class Exchange:
         if rendered is not None and chat.marked:
             generator = handler.response_generator
             tokenizer = generator.model_provider.tokenizer
-            template_kwargs = generator._template_kwargs(None)
+            template_kwargs = generator.template_kwargs(None)
             points = marked_positions(tokenizer, rendered.prompt, chat.marked, chat.tools, template_kwargs)
             found = [p for p in points if p is not None]
             rendered.segments, rendered.kinds = split_segments(rendered.segments, rendered.kinds, sorted(set(found)))
@@ -131,7 +131,7 @@ class Exchange:
         handler = self.handler
         tokenizer = handler.response_generator.model_provider.tokenizer
         if chat.stream:
-            handler._set_stream_headers(200)
+            handler.start_event_stream(200)
             handler.end_headers()
             self.streaming = True
         reply = self.reply(chat, self._emit if chat.stream else _ignore)
@@ -162,7 +162,7 @@ class Exchange:
     def send_json(self, status: int, body: dict) -> None:
         handler = self.handler
         data = json.dumps(body).encode()
-        handler._set_completion_headers(status)
+        handler.start_json_reply(status)
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
         handler.wfile.write(data)

@@ -1,4 +1,7 @@
-"""Running the model once at start, so that the first requests do not pay for it.
+"""The model's kernels, before the first request: which attention kernels MLX
+uses on CUDA (chosen before any runs), and the model run once at start on a
+small batch (the kernel warm-up, --kernel-warm-up), so that the first requests
+do not pay for building them.
 
 A fresh process builds (or reads from MLX's on-disk cache) the kernels of every
 shape of work it meets the first time it meets it: on an H100, the first batch
@@ -23,12 +26,17 @@ that joins a batch already generating (extended into it).
 
 from __future__ import annotations
 
+import logging
+import os
 import time
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
+
+from ..store import CUDA
+
+log = logging.getLogger("promptstore.serve")
 
 PREFIX_TOKENS = 48  # a restored prefix's stand-in (lengths vary a little per prompt)
 STEP_TOKENS = 19  # the new tokens of a chat turn's step
@@ -88,59 +96,21 @@ def warm_up(model, vocab_size: int, batch: int, *, prefill_batch_size: int, pref
     return time.perf_counter() - started
 
 
-# --- the GPU runtime's libraries --------------------------------------------------------
-
-LIBRARY_CHUNK = 16 << 20
-READERS = 8  # files read at once: a virtual disk serves parallel reads faster than one stream
+CUDNN_SDPA = "MLX_CUDA_USE_CUDNN_SDPA"
 
 
-def runtime_libraries(maps: str | Path = "/proc/self/maps") -> list[Path]:
-    """The shared libraries this process maps (MLX's, the CUDA runtime's,
-    cuBLAS's, cuDNN's, the driver's, Python's own), where a CUDA library is
-    among them; empty elsewhere (CPU, Apple silicon).
-
-    After a reboot or a dropped page cache, the first request that meets a
-    kernel the warm-up did not (cuBLAS picks its kernels by shape) reads it
-    from disk a page fault at a time, inside the request."""
-    mapped: set[Path] = set()
-    try:
-        with open(maps) as lines:
-            for line in lines:
-                parts = line.split(maxsplit=5)
-                path = parts[5].strip() if len(parts) == 6 else ""
-                if ".so" in Path(path).name and path.startswith("/"):
-                    mapped.add(Path(path))
-    except OSError:
-        return []
-    if not any("/nvidia/" in str(p) or p.name.startswith(GPU_LIBRARIES) for p in mapped):
-        return []
-    return sorted(mapped)
-
-
-GPU_LIBRARIES = ("libcu", "libnvrtc")  # libcuda, libcudart, libcublas, libcudnn, ...; and NVRTC
-
-
-def read_libraries(paths: list[Path], deadline_s: float = 30.0) -> tuple[int, int, float]:
-    """Read `paths` once, several at a time, so their pages are in the page cache
-    before a request's kernels need them. Bounded in time; returns (files,
-    bytes, seconds)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    started = time.perf_counter()
-
-    def read(path: Path) -> int:
-        n = 0
-        try:
-            with open(path, "rb", buffering=0) as f:
-                while time.perf_counter() - started < deadline_s:
-                    chunk = f.read(LIBRARY_CHUNK)
-                    if not chunk:
-                        return n
-                    n += len(chunk)
-        except OSError:
-            return -1
-        return n
-
-    with ThreadPoolExecutor(READERS, thread_name_prefix="promptstore-libraries") as pool:
-        sizes = list(pool.map(read, paths))
-    return sum(n >= 0 for n in sizes), sum(n for n in sizes if n > 0), time.perf_counter() - started
+def attention_kernels(cudnn: bool | None, environ=os.environ) -> None:
+    """Choose MLX's attention kernels on CUDA before any runs (MLX reads the
+    variable at its first attention). cuDNN's are built per shape: a graph for
+    every new key length, 0.04-1.3 s on an H100, paid inside the request that
+    meets it; MLX's own need no building. None: MLX's own unless the operator
+    set the variable."""
+    if cudnn is None:
+        if not CUDA or CUDNN_SDPA in environ:
+            return
+        cudnn = False
+    environ[CUDNN_SDPA] = "1" if cudnn else "0"
+    if CUDA:
+        log.info(
+            "attention: %s", "cuDNN's kernels" if cudnn else "MLX's own kernels (--cudnn-attention to use cuDNN's)"
+        )

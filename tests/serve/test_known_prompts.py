@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from promptstore.errors import ServeConfigError
-from promptstore.serve.warm_prompts import load_warm_prompts, shared_tokens
+from promptstore.serve.known_prompts import load_known_prompts, shared_tokens
 from promptstore.testing.tokenizer import demo_tokenizer
 
 from .conftest import QUESTIONS, SYSTEM, chat, loaded, reference_reply
@@ -40,7 +40,7 @@ def test_a_bad_file_is_a_clear_error(tmp_path, content, says):
     path = tmp_path / "warm.json"
     path.write_text(content)
     with pytest.raises(ServeConfigError, match=says):
-        load_warm_prompts(path)
+        load_known_prompts(path)
 
 
 def test_a_bad_file_stops_the_server_with_one_line(tmp_path, model_dir):
@@ -79,7 +79,7 @@ def test_a_prompt_the_template_cannot_render_is_skipped_not_fatal(tmp_path):
     """A template that raises on these messages: the prompt is skipped with a warning, the rest stored."""
     from promptstore import PromptStore
     from promptstore.serve.cache import StoreCache
-    from promptstore.serve.warm_prompts import warm
+    from promptstore.serve.known_prompts import store_known_prompts
     from promptstore.testing.models import tiny_model
 
     class Refusing:
@@ -99,7 +99,9 @@ def test_a_prompt_the_template_cannot_render_is_skipped_not_fatal(tmp_path):
     with PromptStore.open(tmp_path / "store") as store:
         cache = StoreCache(store, model_id="m")
         cache.attach(model, Refusing(tok), None, ("m", None, None), prefill_step=64)
-        line = warm(cache, [[{"role": "system", "content": "refused"}], [{"role": "system", "content": SYSTEM}]], {})
+        line = store_known_prompts(
+            cache, [[{"role": "system", "content": "refused"}], [{"role": "system", "content": SYSTEM}]], {}
+        )
         assert "1 skipped" in line and "0 found stored" in line
         shared = shared_tokens(tok, [{"role": "system", "content": SYSTEM}], {})
         assert cache.spaces(cache.tenants[0])[0].restorable_length(shared) == len(shared)

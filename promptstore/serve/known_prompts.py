@@ -1,4 +1,4 @@
-"""Prompts a deployment knows before any request (`--warm-prompts FILE`).
+"""Prompts a deployment knows before any request (`--warm-prompts FILE`), stored at start.
 
 An agent framework or a chat application sends the same system prompt (and
 tool definitions) with every conversation. Given them ahead, the server
@@ -30,7 +30,7 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_PROMPTS = 64
 
 
-def load_warm_prompts(path: str | Path) -> list[list[dict]]:
+def load_known_prompts(path: str | Path) -> list[list[dict]]:
     """The file's message arrays, or ServeConfigError saying what is wrong."""
     raw = read_json_file(path, "warm prompts file")
     want = 'a JSON list of message arrays, e.g. [[{"role": "system", "content": "..."}]]'
@@ -63,7 +63,7 @@ def shared_tokens(tokenizer, messages: list[dict], template_kwargs: dict) -> lis
     return a[:n]
 
 
-def warm(cache, prompts: list[list[dict]], template_kwargs: dict) -> str:
+def store_known_prompts(cache, prompts: list[list[dict]], template_kwargs: dict) -> str:
     """Prefill and store each prompt's shared tokens in every tenant's namespace of
     the model `cache` (a StoreCache) is bound to, unless stored already; on the
     generation thread, before the server takes requests. Returns the log line."""

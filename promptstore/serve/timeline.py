@@ -1,0 +1,75 @@
+"""A request's timeline (perf_counter instants by name, written by the HTTP and
+generation threads as it passes them): its phases in milliseconds, and once its
+reply ends, its log line and its figures for /metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .tenants import PUBLIC
+
+log = logging.getLogger("promptstore.serve")
+
+
+def logged(request, ctx, responses, timeline: dict, busy_between, metrics):
+    """`responses` passed through as they come, the request's first token marked,
+    and at the end (or when the client goes) its log line and metrics.
+    busy_between: the generation thread's seconds in store calls between two instants."""
+    produced = 0
+    try:
+        for response in responses:
+            if "first" not in timeline:
+                timeline["first"] = time.perf_counter()
+                first_token_out(ctx)
+            produced += 1
+            yield response
+    finally:
+        first_token_out(ctx)  # or none will come
+        timeline["done"] = time.perf_counter()
+        prompt, restored = len(ctx.prompt), max(ctx.prompt_cache_count, 0)
+        phases = request_phases(timeline, busy_between)
+        tenant = getattr(request, "tenant", PUBLIC)
+        first = phases["ttft_ms"] / 1e3 if "ttft_ms" in phases else None
+        metrics.served(tenant, prompt, restored, timeline.get("restored"), first, produced)
+        metrics.asked(getattr(request, "retention", ()), getattr(request, "cache_key", None))
+        ttft = f"{phases['ttft_ms']:.1f} ms" if "ttft_ms" in phases else "none"
+        source = f" ({timeline['from_disk']} from disk, {timeline['plan']})" if "plan" in timeline else ""
+        log.info(
+            "request (%s): prompt %d tokens, restored %d%s, prefilled %d, TTFT %s, %d tokens generated; %s",
+            tenant.label,
+            prompt,
+            restored,
+            source,
+            prompt - restored,
+            ttft,
+            produced,
+            " ".join(f"{k}={v:.1f}" for k, v in phases.items() if k != "ttft_ms"),
+        )
+
+
+def first_token_out(ctx) -> None:
+    """Mark the request whose GenerationContext this is as past its first token
+    (the store's background work waits for no request past it)."""
+    request = getattr(getattr(ctx, "prompt", None), "request", None)
+    if request is not None:
+        request.first_out = True
+
+
+def request_phases(timeline: dict, busy_between) -> dict[str, float]:
+    """A request's timeline as milliseconds per phase (those it reached): checking
+    the prompt (HTTP thread), waiting for the generation thread, rendering and
+    tokenizing, the store's fetch, waiting for requests being checked beside
+    it (Arrivals), then prefill and the first token; `store_ms`
+    is the generation thread's time in store calls (fetches, inserts) between
+    arrival and the first token, this request's own fetch included."""
+    marks = ["received", "checked", "queued", "tokenize", "fetch", "fetched", "gathered", "first"]
+    names = ["check_ms", "handoff_ms", "queue_ms", "template_ms", "fetch_ms", "gather_ms", "prefill_first_ms"]
+    out = {}
+    for (a, b), name in zip(zip(marks, marks[1:]), names):
+        if a in timeline and b in timeline:
+            out[name] = (timeline[b] - timeline[a]) * 1e3
+    if "first" in timeline and "received" in timeline:
+        out["ttft_ms"] = (timeline["first"] - timeline["received"]) * 1e3
+        out["store_ms"] = busy_between(timeline["received"], timeline["first"]) * 1e3
+    return out
