@@ -12,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "promptstore"
+TOOLS = ROOT / "tools"
 MAP = ROOT / "docs" / "architecture.md"
 
 # What each part of the package may import from promptstore (besides itself), bottom-up:
@@ -178,3 +179,61 @@ def test_no_import_circles():
 def test_the_circle_finder_finds_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def _tools_graph() -> dict[str, set[str]]:
+    """Each module under tools/ (named by its path there) -> the modules under tools/ it imports.
+
+    A script imports its neighbours as top-level modules (its folder is on sys.path when it
+    runs: `from common import ...` in tools/bench, `from soaks.disk_full import ...` in
+    tools/soak.py), and a module of a package (a folder with __init__.py) imports as its
+    script does, or relatively. So an absolute name resolves against the folder above the
+    module's outermost package, a relative one against its package; names that resolve to
+    no file there (the standard library, promptstore, tests) are not tools' and are left out."""
+    files = {p: str(p.relative_to(TOOLS).with_suffix("")) for p in TOOLS.rglob("*.py") if "__pycache__" not in p.parts}
+
+    def resolve(base: Path, dotted: str) -> Path | None:
+        target = base.joinpath(*dotted.split(".")) if dotted else base
+        for candidate in (target.with_suffix(".py"), target / "__init__.py"):
+            if candidate in files:
+                return candidate
+        return None
+
+    graph = {}
+    for path, name in files.items():
+        package = path.parent
+        top = package
+        while (top / "__init__.py").exists():
+            top = top.parent
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {resolve(top, a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = top
+                if node.level:
+                    base = package
+                    for _ in range(node.level - 1):
+                        base = base.parent
+                module = node.module or ""
+                for a in node.names:  # a name imported from a package counts as its module where it is one
+                    found.add(resolve(base, f"{module}.{a.name}" if module else a.name) or resolve(base, module))
+        graph[name] = {files[p] for p in found if p is not None and p != path}
+    return graph
+
+
+def test_no_import_circles_in_tools():
+    graph = _tools_graph()
+    # Each way a name resolves, seen once: a neighbour, a package's module from its script, a module
+    # of the script's folder from inside a package, and a relative import.
+    for module, imported in (
+        ("bench/bench_anchors", "bench/common"),
+        ("soak", "soaks/disk_full"),
+        ("bench/anchors/ceilings", "bench/common"),
+        ("bench/anchors/report", "bench/anchors/goals"),
+    ):
+        assert imported in graph[module], f"the graph misses {module} -> {imported}: the test reads too little"
+    circles = _circles(graph)
+    assert not circles, "modules under tools/ that import each other, directly or around a circle:\n" + "\n".join(
+        " <-> ".join(c) for c in circles
+    )

@@ -304,7 +304,8 @@ def prepare() -> None:
     gather that checks a read's ends (compiled once per machine, then loaded
     from MLX's disk cache). Built at a process's first read, they cost that
     read 1.4-2.3 s on an H100, 4.0 s where the gather had never been compiled
-    (tools/bench/probe_first_read.py). Elsewhere nothing is built."""
+    (tools/bench/probe_first_read.py, in git history at commit 42029d8). Elsewhere
+    nothing is built."""
     if device.runtime() is None:
         return
     _address_kernel()

@@ -18,8 +18,8 @@ strict_bytes_per_sync), since copying into the page cache outruns any disk
 and a spill of gigabytes would otherwise queue all of them at once, ahead of
 every other write and fsync of the machine. On an H200 host's disk this made
 no measurable difference to an index commit beside a 2.5 GB spill, nor to the
-spill's speed (tools/bench/probe_writeback.py); it bounds the queue where a
-disk is slower.
+spill's speed (tools/bench/probe_writeback.py, in git history at commit
+cf0ce12); it bounds the queue where a disk is slower.
 """
 
 from __future__ import annotations

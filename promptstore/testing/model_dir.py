@@ -1,18 +1,28 @@
 """A model directory `mlx_lm.load(dir)` reads: a tiny random-weight model's
 config.json and model.safetensors, and the demo tokenizer with its chat
-template, so servers and other processes load it as they would a real model."""
+template, so servers and other processes load it as they would a real model.
+
+    python -m promptstore.testing.model_dir OUT [--family FAMILY]
+
+writes one to OUT (a new or empty directory), for `promptstore serve --model OUT`
+without a model at hand; FAMILY is one of promptstore.testing.models.FAMILIES
+(default llama). A random-weight model writes nonsense: what to look at is what
+the store restores."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .models import model_args, tiny_model
+from .models import FAMILIES, model_args, tiny_model
 from .tokenizer import demo_tokenizer
 
 
@@ -37,3 +47,58 @@ def write_model_dir(
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     demo_tokenizer(vocab_size)._tokenizer.save_pretrained(str(path))
     return path
+
+
+class _Arguments(argparse.ArgumentParser):
+    def error(self, message: str):  # a usage error in one line
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "python -m promptstore.testing.model_dir"
+    p = _Arguments(prog=prog, description="Write a tiny random-weight model directory that mlx_lm.load reads.")
+    p.add_argument("out", metavar="OUT", help="the directory to write (new, or empty)")
+    p.add_argument("--family", default="llama", choices=FAMILIES, help="the model family (default: llama)")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    written = False
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise FileExistsError(f"{out}: exists and is not an empty directory; expected a new one for the model")
+        created = not out.exists()
+        written = True
+        write_model_dir(out, args.family)
+        _check_loads(out, args.family)
+    except Exception as e:  # noqa: BLE001 - a person gets one line
+        if written:  # what this run wrote goes: a directory mlx_lm.load cannot read is no use
+            _remove_written(out, created)
+        text = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        print(f"{prog}: error: {' '.join(text.split())}", file=sys.stderr)
+        return 1
+    print(f"wrote a random-weight {args.family} model and its tokenizer to {out}")
+    return 0
+
+
+def _check_loads(path: Path, family: str) -> None:
+    """mlx_lm.load reads the directory, or a ValueError says why not."""
+    from mlx_lm import load
+
+    try:
+        load(str(path))
+    except Exception as e:  # noqa: BLE001 - said in the error
+        raise ValueError(f"mlx_lm.load cannot read the {family} directory written: {e}") from e
+
+
+def _remove_written(out: Path, created: bool) -> None:
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for child in out.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Tenant isolation (DESIGN.md invariant 2, README "Multi-tenant servers"): two
+"""Tenant isolation (DESIGN.md invariant 2, docs/library.md, "Tenants"): two
 tenants with different salts on one store, same model and model_id.
 
 An attacker tenant probes for a victim's prompt: the exact prompt, its

@@ -80,11 +80,12 @@ from anchors.goals import goals
 from anchors.harness import Engine, log, warm_up
 from anchors.hybrid import FAMILIES, run_hybrid
 from anchors.models import build_model
-from anchors.report import report, write_docs
+from anchors.report import report
 from anchors.restart import restart_phase, run_chat_and_restart
 from anchors.runs import run_fork
 from anchors.summary import save_split
 from anchors.workloads import PROFILES
+from benchmarks_doc import write_docs
 from common import REPO_ROOT, blas_info, blas_warning, gpu_name
 
 

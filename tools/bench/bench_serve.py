@@ -55,7 +55,8 @@ from common import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from serve_docs import print_report, write_docs  # noqa: E402
+from benchmarks_doc import write_docs  # noqa: E402
+from serve_docs import print_report  # noqa: E402
 from serve_peers import (  # noqa: E402
     MLX_LM,
     PEERS,

@@ -1,14 +1,28 @@
 """The GPU sections of docs/benchmarks.md: the cold tier (bench_cold.py) and a
 server restart (bench_serve.py), rendered from their result files as they
-are, each with the command that made it and its figures beside their goals."""
+are, each with the command that made it and its figures beside their goals.
+
+The earlier runs' files (those named archive/2026-11/...) left the tree: they
+are read from git history, at HISTORY, the last commit that had them, and
+their sections name them as `HISTORY:bench-results/archive/2026-11/...` (what
+`git show` takes)."""
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 from pathlib import Path
 
-# (file, what the run was); the first of each kind is the one the README quotes.
+HISTORY = "6b6e4cf"  # the last commit with bench-results/archive/2026-11/ in the tree
+ARCHIVE = "archive/"
+
+
+class HistoryUnreadable(Exception):
+    """A result file this page renders from git history could not be read (no git, or no history)."""
+
+
+# (file, what the run was); the first of each kind is the one docs/figures.md quotes.
 COLD_RUNS = (
     ("cold-cuda.json", "an H100; fifteen runs a cell at 2k and 8k, the profile's default now"),
     (
@@ -63,7 +77,7 @@ SERVE_RUNS = (
     (
         "archive/2026-11/serve-cuda-batched-replies.json",
         "an H200; a burst's waiting replies prefilled as one batch through mlx-lm's prompt batch (reverted: "
-        "no cheaper than one by one, tools/bench/probe_reply_batch.py)",
+        "no cheaper than one by one, tools/bench/probe_reply_batch.py, in git history at commit 16d144d)",
     ),
     (
         "archive/2026-11/serve-cuda-batched-replies-2.json",
@@ -196,7 +210,7 @@ def cold_command(doc: dict) -> str:
 def cold_section(name: str, what: str, doc: dict) -> str:
     p = doc["profile"]
     lines = [
-        f"### The cold tier: `bench-results/{name}` ({what})",
+        f"### The cold tier: `{where(name)}` ({what})",
         "",
         f"`{cold_command(doc)}`, {doc['date'][:10]}, {doc['device']}; {p['note']}. "
         f"Page cache dropped by {doc['page_cache_drop']}. Runs per cell: {p.get('short_runs', p['runs'])} at the "
@@ -269,7 +283,7 @@ def serve_section(name: str, what: str, doc: dict) -> str:
     results = doc["results"]
     base, ours = results["mlx_lm.server"], results["promptstore serve"]
     lines = [
-        f"### A server restart: `bench-results/{name}` ({what})",
+        f"### A server restart: `{where(name)}` ({what})",
         "",
         f"`{serve_command(doc)}`, {doc['date'][:10]}, {doc['device']}; {doc['note']}. "
         f"{w['users']} users, a {w['system_tokens']:,}-token system prompt, {w['context_tokens']:,} tokens of "
@@ -314,15 +328,37 @@ def serve_section(name: str, what: str, doc: dict) -> str:
     return "\n".join(lines)
 
 
+def where(name: str) -> str:
+    """How a section names its result file: its path, or its place in git history."""
+    return f"{HISTORY}:bench-results/{name}" if name.startswith(ARCHIVE) else f"bench-results/{name}"
+
+
+def read(results: Path, name: str) -> dict | None:
+    """A result file: from the tree, or, for an earlier run's, from git history; None if the tree lacks it."""
+    if not name.startswith(ARCHIVE):
+        return json.loads((results / name).read_text()) if (results / name).exists() else None
+    spec = f"{HISTORY}:bench-results/{name}"
+    try:
+        shown = subprocess.run(
+            ["git", "-C", str(results.parent), "show", spec], capture_output=True, text=True, timeout=60
+        )
+    except OSError as e:
+        raise HistoryUnreadable(f"{spec}: git: {e.strerror}") from e
+    if shown.returncode != 0:
+        raise HistoryUnreadable(f"{spec}: {shown.stderr.strip() or 'git show failed'} (a clone with its history?)")
+    return json.loads(shown.stdout)
+
+
 def sections(results: Path) -> str:
-    """Markdown for every GPU result file present; empty if none is."""
+    """Markdown for every GPU result file present; empty if none is. Raises HistoryUnreadable
+    when an earlier run's file cannot be read from git history."""
     parts = []
     for name, what in COLD_RUNS:
-        if (results / name).exists():
-            parts.append(cold_section(name, what, json.loads((results / name).read_text())))
+        if (doc := read(results, name)) is not None:
+            parts.append(cold_section(name, what, doc))
     for name, what in SERVE_RUNS:
         # serve-cuda.json holds the servers side by side now (serve_docs.py renders it).
-        if (results / name).exists() and "benchmark" not in (doc := json.loads((results / name).read_text())):
+        if (doc := read(results, name)) is not None and "benchmark" not in doc:
             parts.append(serve_section(name, what, doc))
     if not parts:
         return ""
@@ -330,6 +366,8 @@ def sections(results: Path) -> str:
         "## NVIDIA GPU: the cold tier and a server restart\n\n"
         "Rendered from the result files of `tools/bench/bench_cold.py` and `tools/bench/bench_serve.py`; "
         "each section names the command that made it. docs/cold.md and docs/serve.md discuss them. "
-        "Their cold plan overlap (called split then) is shown by its name now."
+        "Their cold plan overlap (called split then) is shown by its name now. A file named "
+        f"`{HISTORY}:bench-results/archive/2026-11/...` is an earlier run's, in git history at commit {HISTORY} "
+        f"(`git show {HISTORY}:bench-results/archive/2026-11/NAME`)."
     )
     return "\n\n".join([head, *parts])

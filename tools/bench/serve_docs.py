@@ -2,14 +2,13 @@
 p50 per round and server, promptstore serve's ratios beside them) and the
 goals, from bench-results/serve-cpu.json and serve-cuda.json.
 
-`python tools/bench/serve_docs.py` prints the tables of those files and
+`python tools/bench/benchmarks_doc.py` prints the tables of those files and
 rewrites docs/benchmarks.md (every section of it, from the result files)."""
 
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -206,21 +205,3 @@ def print_report(doc: dict) -> None:
             print(f"  promptstore serve's request phases, medians {phases}")
     print("\nGoals (promptstore serve's TTFT p50 over the peer's):")
     print_goals(goal_rows(doc))
-
-
-def write_docs() -> int:
-    """Rewrite docs/benchmarks.md from every result file (bench_anchors' writer, which includes these sections)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from anchors.report import write_docs as write_all
-
-    return write_all()
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    for name, _ in RESULTS:
-        path = REPO_ROOT / "bench-results" / name
-        if path.exists():
-            print(f"== {name}")
-            print_report(json.loads(path.read_text()))
-    sys.exit(write_docs())

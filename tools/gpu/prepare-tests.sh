@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds .gpu/w4: the wheels the serve, generation and shutdown tests need on the GPU machine
-# beyond what ../shared/gpu/prepare.sh puts in .gpu/w1 and .gpu/w2 (the runtime), and install.sh.
+# beyond what the GPU runtime's own preparation (outside this repository) puts in .gpu/w1 and
+# .gpu/w2, and install.sh.
 # Versions are those of the project's .venv (run `make setup` first), for CPython 3.12 on x86-64.
 # Run it after prepare.sh (which rebuilds all of .gpu/), and again when a test dependency changes.
 #

@@ -1,13 +1,6 @@
-"""The report and the docs writer: docs/benchmarks.md from the result files."""
+"""The report of a run, and its part of docs/benchmarks.md (benchmarks_doc.py writes the page)."""
 
 from __future__ import annotations
-
-import json
-import sys
-
-from common import REPO_ROOT
-from gpu_docs import sections as gpu_sections
-from serve_docs import sections as serve_sections
 
 from .goals import goals_table
 from .summary import fmt_bytes, fmt_ms, fmt_sci
@@ -149,24 +142,3 @@ def markdown_doc(docs: dict[str, dict], gpu: str = "") -> str:
     if gpu:
         parts.append("\n" + gpu)
     return "\n".join(parts) + "\n"
-
-
-def write_docs() -> int:
-    docs = {}
-    for label, fname in (
-        ("CPU (MLX CPU backend)", "anchors-cpu.json"),
-        ("NVIDIA GPU (MLX CUDA backend)", "anchors-cuda.json"),
-    ):
-        p = REPO_ROOT / "bench-results" / fname
-        if p.exists():
-            docs[f"{label}: `bench-results/{fname}`"] = json.loads(p.read_text())
-    if not docs:
-        print("no result files to document", file=sys.stderr)
-        return 1
-    target = REPO_ROOT / "docs" / "benchmarks.md"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    results = REPO_ROOT / "bench-results"
-    later = "\n\n".join(part for part in (serve_sections(results), gpu_sections(results)) if part)
-    target.write_text(markdown_doc(docs, later))
-    print(f"wrote {target.relative_to(REPO_ROOT)}")
-    return 0
