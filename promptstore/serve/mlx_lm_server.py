@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import re
 import tomllib
 import types
 from collections.abc import Callable
@@ -24,45 +23,21 @@ from pathlib import Path
 from queue import Empty as QueueEmpty
 from queue import Queue
 
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
 from ..errors import GenerationFailed, ServeConfigError
 
 DISTRIBUTION = "mlx-lm"
-_OPERATORS = {
-    ">=": lambda v, p: v >= p,
-    ">": lambda v, p: v > p,
-    "<=": lambda v, p: v <= p,
-    "<": lambda v, p: v < p,
-    "==": lambda v, p: v == p,
-    "!=": lambda v, p: v != p,
-}
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """A version's release numbers (0.32.2rc1 -> (0, 32, 2)); () if it has none."""
-    found = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
-    return tuple(int(n) for n in found.group(1).split(".")) if found else ()
-
-
-def _clauses(pin: str) -> list[tuple[str, tuple[int, ...]]]:
-    """`>=0.32.2,<0.33` as [(">=", (0, 32, 2)), ("<", (0, 33))], lower bounds first."""
-    out = []
-    for clause in filter(None, (c.strip() for c in pin.split(","))):
-        operator = next((op for op in sorted(_OPERATORS, key=len, reverse=True) if clause.startswith(op)), None)
-        if operator is None:
-            raise ServeConfigError(f"the {DISTRIBUTION} pin {pin!r} has a clause this check cannot read: {clause!r}")
-        out.append((operator, _release(clause[len(operator) :])))
-    return sorted(out, key=lambda c: not c[0].startswith(">"))
-
-
-def _said(pin: str) -> str:
-    return ",".join(f"{op}{'.'.join(map(str, v))}" for op, v in _clauses(pin))
 
 
 def _pin_in(requirements) -> str | None:
-    for requirement in requirements:
-        name, spec = re.match(r"\s*([A-Za-z0-9._-]+)\s*(?:\[[^\]]*\])?\s*([^;]*)", requirement).groups()
-        if re.sub(r"[._-]+", "-", name).lower() == DISTRIBUTION:
-            return spec.strip() or None
+    for line in requirements:
+        requirement = Requirement(line)
+        if canonicalize_name(requirement.name) == DISTRIBUTION:
+            return str(requirement.specifier) or None
     return None
 
 
@@ -92,14 +67,17 @@ def check_version(installed: str | None, pin: str | None) -> None:
     `installed` (mlx-lm's version) is within `pin`; nothing to check without a pin."""
     if pin is None:
         return
-    wanted = f"{DISTRIBUTION} {_said(pin)}"
+    wanted = SpecifierSet(pin)
+    bounds = sorted((str(s) for s in wanted), key=lambda s: (not s.startswith(">"), s))  # lower bounds first
+    said = f"{DISTRIBUTION} {','.join(bounds)}"
     if installed is None:
-        raise ServeConfigError(f"{DISTRIBUTION} is not installed; promptstore serve supports {wanted}")
-    version = _release(installed)
-    width = max([len(version), *(len(v) for _, v in _clauses(pin))])
-    padded = lambda v: v + (0,) * (width - len(v))  # noqa: E731 - 0.33 == 0.33.0
-    if not all(_OPERATORS[op](padded(version), padded(v)) for op, v in _clauses(pin)):
-        raise ServeConfigError(f"{DISTRIBUTION} {installed} is installed; promptstore serve supports {wanted}")
+        raise ServeConfigError(f"{DISTRIBUTION} is not installed; promptstore serve supports {said}")
+    try:
+        within = wanted.contains(Version(installed), prereleases=True)
+    except InvalidVersion:
+        within = False
+    if not within:
+        raise ServeConfigError(f"{DISTRIBUTION} {installed} is installed; promptstore serve supports {said}")
 
 
 check_version(installed_version(), pinned_range())
