@@ -21,12 +21,12 @@ from mlx_lm.models import cache as mlx_cache
 
 from .. import caches as C
 from ..errors import ModelIdentityError, PromptStoreError
-from ..generation import prefill
 from ..store import Hit, PromptStore, Space
 from ..store.model import weights_digest, weights_fingerprint
 from .insert_scheduler import InsertScheduler, InsertSettings, WaitingInsert
-from .pieces import Pieces, PieceTokenizer
-from .replies import ChatTurn, common_prefix, rendered_turn
+from .pieces import Pieces
+from .replies import ChatTurn
+from .reply_inserts import ReplyJob, ReplyStorer
 from .tenants import PUBLIC, InFlight, InFlightRequest, Tenant, TrackedPrompt
 
 log = logging.getLogger("promptstore.serve")
@@ -141,7 +141,8 @@ class StoreCache:
         self.last_hit: Hit | None = None  # the figures of the last begin()'s hit, for its request's log line
         self._busy: deque[tuple[float, float]] = deque(maxlen=1024)  # store calls on the generation thread
         # When the inserts mlx-lm hands over run (the defaults: InsertSettings's).
-        self.inserts = InsertScheduler(inserts or InsertSettings(), self.counts, self._timed)
+        self.inserts = InsertScheduler(inserts or InsertSettings(), self.counts, self._timed, self._run_replies)
+        self.replies = ReplyStorer(self, self.counts)  # a chat reply's insert (serve/reply_inserts.py)
 
     @contextmanager
     def _timed(self):
@@ -283,7 +284,7 @@ class StoreCache:
         tokens = [int(t) for t in tokens]
         try:
             with self._timed():
-                work, within_prompt, owners, ranged = self._prepare_insert(model, tokens, prompt_cache)
+                work, within_prompt, owners, ranged, reply = self._prepare_insert(model, tokens, prompt_cache)
         except Exception:
             log.exception("insert of %d tokens (%s) not stored", len(tokens), cache_type)
             return
@@ -296,7 +297,7 @@ class StoreCache:
             )
         else:
             asked = tokens[: min(len(o.prompt) for o in owners)]  # the finished request's prompt
-            self.inserts.add_finished(WaitingInsert(work, len(tokens), cache_type, owners, asked))
+            self.inserts.add_finished(WaitingInsert(work, len(tokens), cache_type, owners, asked, reply=reply))
 
     def awaiting_first_token(self) -> bool:
         """Whether a request in flight has not had its first token handed out."""
@@ -304,9 +305,10 @@ class StoreCache:
 
     def _prepare_insert(self, model_key, tokens: list[int], prompt_cache):
         """The insert of `tokens` (None if nothing is to be stored), whether the
-        tokens lie within an owner's prompt, the requests that own them, and
-        whether every cache restores any prefix of what it holds (role "range")."""
-        nothing = None, False, frozenset(), False
+        tokens lie within an owner's prompt, the requests that own them, whether
+        every cache restores any prefix of what it holds (role "range"), and a
+        chat reply's job (stored as the next turn renders it), else None."""
+        nothing = None, False, frozenset(), False, None
         if model_key != self.model_key or not tokens or min(tokens) < 0:
             return nothing  # another model, or an image prompt's key (negative placeholder ids)
         owners = self.inflight.owners(tokens)
@@ -327,20 +329,23 @@ class StoreCache:
         within_prompt = any(len(tokens) <= len(o.prompt) for o in owners)
         kept = _kept(owners)
         turn = any(o.chat is not None for o in owners)  # a chat's: a client comes back to it
-        work = lambda: self._insert(space, reply_of, tokens, usable, cache, kept, turn)  # noqa: E731
         ranged = all(getattr(c, "role", None) == "range" for c in cache)
-        return work, within_prompt, frozenset(owners), ranged
-
-    def _insert(
-        self, space: Space, reply_of, tokens: list[int], usable: int, cache, kept=(), turn=False
-    ) -> Iterator[None]:
-        """The insert's steps. kept: how long the owners asked to keep the tokens (_kept);
-        turn: a chat request owns them (Space.insert)."""
-        started = time.perf_counter()
         if reply_of is not None and self.reply_tokens == "rendered":
-            stored, phases = yield from self._insert_rendered(space, reply_of, tokens, usable, cache, kept)
-        else:
-            stored, phases = space.insert(tokens[:usable], cache, retention=_marks(kept, usable), turn=turn), {}
+            job = ReplyJob(space, reply_of, tokens, usable, cache, kept)
+            return lambda: self._run_replies([job]), within_prompt, frozenset(owners), ranged, job
+        work = lambda: self._insert(space, tokens, usable, cache, kept, turn)  # noqa: E731
+        return work, within_prompt, frozenset(owners), ranged, None
+
+    def _run_replies(self, jobs: list[ReplyJob]) -> Iterator[None]:
+        """Store chat replies as their next turns render them, prefilled together (serve/reply_inserts.py)."""
+        return self.replies.run(jobs, self.inserts.settings.reply_chunk)
+
+    def _insert(self, space: Space, tokens: list[int], usable: int, cache, kept=(), turn=False) -> Iterator[None]:
+        """The insert's steps (one). kept: how long the owners asked to keep the tokens
+        (_kept); turn: a chat request owns them (Space.insert)."""
+        started = time.perf_counter()
+        yield from ()  # no point where it gives way: one store call
+        stored, phases = space.insert(tokens[:usable], cache, retention=_marks(kept, usable), turn=turn), {}
         phases.update(space.last_insert_phases())  # the store's part, phase by phase
         phases["total"] = time.perf_counter() - started
         log.info(
@@ -367,52 +372,6 @@ class StoreCache:
         spaces = self.spaces(tenant)
         quantized = any(layer["kind"] == "quantized" for layer in C.prompt_layout(cache))
         return spaces[-1] if quantized else spaces[0]
-
-    def _insert_rendered(self, space: Space, request: InFlightRequest, named: list[int], usable: int, cache, kept=()):
-        """Store the conversation as the next turn renders it, prefilling only
-        what differs from what the cache holds. Returns (tokens stored, seconds
-        per phase: render, prefill, store).
-
-        named: prompt and reply as mlx-lm names them; the cache holds the first
-        `usable` (the last reply token may not have been run through the model).
-        """
-        t0 = time.perf_counter()
-        try:
-            tokenizer = self.tokenizer
-            if self.pieces is not None:
-                tokenizer = PieceTokenizer(tokenizer, self.pieces, request.tenant.salt)
-            rendered = rendered_turn(tokenizer, request.chat, named[len(request.prompt) :], request.prompt)
-        except Exception as e:  # a template that cannot render its own reply: keep the tokens
-            log.debug("reply not rendered (%s): storing the generated tokens", e)
-            rendered = []
-        tokens = named[:usable]
-        common = common_prefix(tokens, rendered)
-        t1 = time.perf_counter()
-        if len(rendered) >= 2 and space.restorable_length(rendered) == len(rendered):
-            # Stored meanwhile (the next turn's prompt holds it): nothing to prefill.
-            self.counts["reply_inserts_already_stored"] += 1
-            space.retain(rendered, _marks(kept, len(rendered)))
-            return 0, {"render": t1 - t0, "lookup": time.perf_counter() - t1}
-        if len(rendered) < 2 or common == len(rendered) == len(tokens):
-            stored = space.insert(tokens, cache, retention=_marks(kept, len(tokens)), turn=True)
-            return stored, {"render": t1 - t0, "store": time.perf_counter() - t1}
-        position = min(common, len(tokens))
-        if position < len(tokens) and not C.restore_prompt_cache(cache, None, position):
-            # Window or recurrent layers cannot rewind: restart from the store (the
-            # store's own fetch, not a request's hit).
-            hit = space.fetch(rendered, count=False)
-            cache, position = hit.cache, hit.length
-        chunk, spent = self.inserts.settings.reply_chunk or len(rendered), time.perf_counter() - t1
-        for lo in range(position, len(rendered), chunk):
-            t = time.perf_counter()
-            prefill(self.model, cache, rendered, lo, min(lo + chunk, len(rendered)), self.prefill_step)
-            spent += time.perf_counter() - t
-            if lo + chunk < len(rendered):
-                yield  # a request that came meanwhile may go first (run_background's `until`)
-        t2 = time.perf_counter()
-        stored = space.insert(rendered, cache, prefill_seconds=spent, retention=_marks(kept, len(rendered)), turn=True)
-        self.counts["reply_tokens_prefilled"] += len(rendered) - position
-        return stored, {"render": t1 - t0, "prefill": spent, "store": time.perf_counter() - t2}
 
     # --- what mlx_lm.server reads ---------------------------------------------------
 

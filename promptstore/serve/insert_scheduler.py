@@ -12,8 +12,10 @@ prefix of what it holds, and runs it first where a layer's state there is had
 only now). A finished request's insert (its reply, rendered as the next turn
 will send it, which costs a prefill) waits for `run_background`: when the
 generation thread has no request to take, or no request in its batch still
-waits for its first token. The next turn of that conversation, when it comes
-first, runs it before its fetch (`replies_before_fetch`).
+waits for its first token; the chat replies then waiting run together, up to
+`reply_batch` of them in one batched prefill (serve/reply_inserts.py). The
+next turn of that conversation, when it comes first, runs it (with the other
+replies waiting) before its fetch (`replies_before_fetch`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class InsertSettings:
         other users' requests 6 ms after the first user's reply, and on CPU they
         waited 10-18 ms behind the first chunk of its insert, begun at once. Its
         next turn, or a close, runs it whatever the grace.
+    reply_batch: at most this many chat replies waiting are prefilled together,
+        in one batched forward per chunk (1: one after another). On an H200 a
+        reply's prefill alone took 23-70 ms, and 8 of them one after another
+        ~300 ms in front of the next round (issue 62).
     """
 
     finished_at_once: bool = False
@@ -66,13 +72,18 @@ class InsertSettings:
     replies_before_fetch: bool = True
     reply_chunk: int | None = None
     reply_grace: float = 0.0
+    reply_batch: int = 1
 
     @classmethod
-    def for_server(cls, *, batch: int, replies_before_fetch: bool) -> InsertSettings:
+    def for_server(cls, *, batch: int, replies_before_fetch: bool, reply_batch: int | None = None) -> InsertSettings:
         """The server's, for the device MLX runs on: on CPU a reply's prefill gives
         way every REPLY_CHUNK_CPU tokens and waits its grace; on a GPU one forward
         of the whole reply costs about what one of 8 tokens does (a grace there
-        was not measured: none)."""
+        was not measured: none). reply_batch: None for the device's default: on
+        a GPU the batch's size; on CPU 1, where a forward's cost grows with its
+        tokens (8 replies of ~720-token chats stored in 0.85 s one at a time,
+        0.87 s together) and a batch would give way to a request only between
+        chunks of all the replies."""
         on_cpu = mx.default_device() == mx.cpu
         return cls(
             finished_at_once=mx.distributed.init().size() > 1,
@@ -80,6 +91,7 @@ class InsertSettings:
             replies_before_fetch=replies_before_fetch,
             reply_chunk=REPLY_CHUNK_CPU if on_cpu else None,
             reply_grace=REPLY_GRACE_CPU_S if on_cpu else 0.0,
+            reply_batch=max(1, reply_batch or (1 if on_cpu else batch)),
         )
 
 
@@ -96,9 +108,17 @@ class WaitingInsert:
     tokens: list[int] = field(default_factory=list)  # a part of a prompt: its tokens
     ranged: bool = False  # its caches restore any prefix of what they hold (a longer part stores its tokens too)
     ready_at: float = 0.0  # a finished request's insert: not begun before this (time.monotonic; `reply_grace`)
+    reply: object | None = None  # a chat reply's job, which may run together with others (serve/reply_inserts.py)
+    members: tuple = ()  # a group of replies run together: theirs
 
     def said(self) -> str:
+        if self.members:
+            return f"{len(self.members)} replies, {self.n_tokens} tokens"
         return f"{self.n_tokens} tokens ({self.cache_type})"
+
+    def goes_on_with(self, prompt: list[int]) -> bool:
+        """Whether `prompt` goes on with this finished request's (or a member's)."""
+        return any(_goes_on_with(prompt, m.asked) for m in self.members) or _goes_on_with(prompt, self.asked)
 
 
 def _goes_on_with(prompt: list[int], earlier: list[int]) -> bool:
@@ -115,9 +135,16 @@ class InsertScheduler:
     timed: a context manager around each insert's work (the generation thread's
     time in store calls)."""
 
-    def __init__(self, settings: InsertSettings, counts: Counter, timed: Callable[[], AbstractContextManager[None]]):
+    def __init__(
+        self,
+        settings: InsertSettings,
+        counts: Counter,
+        timed: Callable[[], AbstractContextManager[None]],
+        together: Callable[[list], Iterator[None]] | None = None,
+    ):
+        """together: runs several replies' jobs as one insert (their `reply`s)."""
         self.settings = settings
-        self._counts, self._timed = counts, timed
+        self._counts, self._timed, self._together = counts, timed, together
         self._deferred: deque[WaitingInsert] = deque()  # parts of prompts handed over, not yet done
         self._background: deque[WaitingInsert] = deque()  # finished requests', done when nothing waits
 
@@ -145,8 +172,8 @@ class InsertScheduler:
             self._run(item)
             return
         if len(self._background) >= self.settings.finished_limit:
-            self._background.popleft()  # the oldest reply: its next turn re-prefills it, if it comes
-            self._counts["reply_inserts_dropped"] += 1
+            dropped = self._background.popleft()  # the oldest reply: its next turn re-prefills it, if it comes
+            self._counts["reply_inserts_dropped"] += max(1, len(dropped.members))
             log.debug("a finished request's insert dropped: %d wait already", self.settings.finished_limit)
         item.ready_at = time.monotonic() + self.settings.reply_grace
         self._background.append(item)
@@ -174,7 +201,7 @@ class InsertScheduler:
         on at the next call or when its conversation's next turn comes."""
         self.run_deferred()
         while self._background and (n is None or n > 0):
-            item = self._background.popleft()
+            item = self._next()
             if self._run(item, until) is None:
                 self._background.appendleft(item)
                 self._counts["reply_inserts_paused"] += 1
@@ -184,19 +211,22 @@ class InsertScheduler:
     def run_replies_of(self, prompt: list[int]) -> None:
         """Run the waiting inserts of the conversations `prompt` goes on with (their
         finished request's prompt is a prefix of it), oldest first."""
-        own = [item for item in self._background if _goes_on_with(prompt, item.asked)]
+        own = [item for item in self._background if item.goes_on_with(prompt)]
         for item in own:
+            if item not in self._background:
+                continue  # run already, in a group with an earlier one
             self._background.remove(item)
-            self._run(item)
+            self._background.appendleft(item)
+            self._run(self._next())
 
     def flush(self) -> tuple[int, list[str]]:
         """Run every insert still waiting, parts of prompts first (generation
         thread, at the close): how many were stored, and what was not."""
         stored, failed = 0, []
         while self._deferred or self._background:
-            item = (self._deferred or self._background).popleft()
+            item = self._deferred.popleft() if self._deferred else self._next()
             if self._run(item):
-                stored += 1
+                stored += max(1, len(item.members))
             else:
                 failed.append(item.said())
         return stored, failed
@@ -204,6 +234,32 @@ class InsertScheduler:
     def waiting(self) -> list[str]:
         """Every insert still waiting, as the closing line names one."""
         return [item.said() for item in (*self._deferred, *self._background)]
+
+    def _next(self) -> WaitingInsert:
+        """The oldest finished request's insert, taken out: a chat reply not begun
+        goes with the other replies not begun, up to `reply_batch`, as one group."""
+        item = self._background.popleft()
+        if item.reply is None or item.steps is not None or self.settings.reply_batch < 2 or self._together is None:
+            return item
+        members = [item]
+        for other in list(self._background):
+            if len(members) >= self.settings.reply_batch:
+                break
+            if other.reply is not None and other.steps is None:
+                self._background.remove(other)
+                members.append(other)
+        if len(members) == 1:
+            return item
+        jobs = [m.reply for m in members]
+        together = self._together
+        return WaitingInsert(
+            lambda: together(jobs),
+            sum(m.n_tokens for m in members),
+            "replies",
+            frozenset().union(*(m.owners for m in members)),
+            [],
+            members=tuple(members),
+        )
 
     def _run(self, item: WaitingInsert, until: Callable[[], bool] | None = None) -> bool | None:
         """Run an insert to its end (True), or until `until()` between its steps

@@ -165,6 +165,14 @@ def _add_options(group) -> None:
         "--no-reply-before-fetch lets the batch prefill it (docs/serve.md)",
     )
     group.add_argument(
+        "--reply-batch",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="at most N chat replies waiting to be stored are prefilled together, in one batched forward "
+        "(default: --decode-concurrency on a GPU, 1 on CPU: one after another)",
+    )
+    group.add_argument(
         "--kernel-warm-up",
         action=argparse.BooleanOptionalAction,
         default=True,

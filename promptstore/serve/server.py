@@ -43,7 +43,9 @@ def store_cache(store: PromptStore, args, keyring: KeyRing) -> StoreCache:
         tenants=keyring.tenants(),
         spans_weights=args.model_id_spans_weights,
         # Each waiting insert keeps its finished request's cache alive: no more than the batch did.
-        inserts=InsertSettings.for_server(batch=args.decode_concurrency, replies_before_fetch=args.reply_before_fetch),
+        inserts=InsertSettings.for_server(
+            batch=args.decode_concurrency, replies_before_fetch=args.reply_before_fetch, reply_batch=args.reply_batch
+        ),
     )
 
 

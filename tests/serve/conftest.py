@@ -194,6 +194,19 @@ def rendered_length(model: Path, messages: list[dict]) -> int:
     return len(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
 
 
+def least_restored(model: Path, asked: list[dict], reply_ids: list[int], reply: str) -> int:
+    """The least the next turn after this reply must restore: the conversation as
+    the template renders it with the reply, or, where the reply's tokens come back
+    as they were generated, what the model computed (the prompt and the reply but
+    its last token, which no forward ran: the store keeps it with no forward and
+    the next turn prefills the template's end-of-turn tokens)."""
+    _, tokenizer = loaded(model)
+    prompt = list(tokenizer.apply_chat_template(asked, add_generation_prompt=True))
+    rendered = list(tokenizer.apply_chat_template([*asked, {"role": "assistant", "content": reply}]))
+    computed = prompt + list(reply_ids[:-1])
+    return len(computed) if rendered[: len(computed)] == computed else len(rendered)
+
+
 def chat(client: OpenAI, messages: list[dict], max_tokens: int = 12, **kwargs):
     """(reply text, reply token ids, cached tokens) of one greedy chat completion."""
     r = client.chat.completions.create(

@@ -247,11 +247,13 @@ def test_a_reply_the_next_turn_stored_first_is_not_prefilled_again(cache):
     cache.spaces(ALICE)[0].insert(next_prompt, C.adopt_prompt_cache(filled(cache, next_prompt)))  # stored first
     cache.inserts.run_background()
     assert cache.counts["reply_inserts_already_stored"] == 1 and cache.counts["reply_tokens_prefilled"] == 0
-    # Without the next turn first, the reply is prefilled as rendered and stored.
+    # Without the next turn first, a reply that renders otherwise (one token a
+    # letter) is prefilled as rendered and stored.
     other = [{"role": "user", "content": "Something else"}]
     prompt = list(tok.apply_chat_template(other, add_generation_prompt=True, tokenize=True))
     turn = ChatTurn(other, None, {})
     request, _ = cache.begin(ALICE, prompt, turn, ())
+    generated = [t for ch in "a short reply" for t in tok.encode(ch, add_special_tokens=False)] + [tok.eos_token_id]
     cache.insert_cache(cache.model_key, prompt + generated, filled(cache, prompt + generated[:-1]))
     cache.inserts.run_background()
     rendered = rendered_turn(tok, turn, generated, prompt)

@@ -12,7 +12,7 @@ import pytest
 
 from promptstore.config import Settings
 
-from .conftest import DEFAULT, DURABILITIES, QUESTIONS, SYSTEM, chat, durability_args, rendered_length, store_problems
+from .conftest import DEFAULT, DURABILITIES, QUESTIONS, SYSTEM, chat, durability_args, least_restored, store_problems
 
 
 def test_every_durability_is_tested():
@@ -25,14 +25,14 @@ CONVERSATIONS = 4
 SYSTEMS = [f"{SYSTEM} You are assistant number {i}, and you sign every answer with your number." for i in range(4)]
 
 
-def _round(client, conversations: list[list[dict]]) -> list[str]:
-    """One turn of every conversation at once; returns the replies' texts."""
-    replies: list[str | None] = [None] * len(conversations)
+def _round(client, conversations: list[list[dict]]) -> list[tuple[str, list[int]]]:
+    """One turn of every conversation at once; returns the replies' texts and token ids."""
+    replies: list[tuple[str, list[int]] | None] = [None] * len(conversations)
     errors = []
 
     def talk(i: int) -> None:
         try:
-            replies[i] = chat(client, conversations[i], max_tokens=8)[0]
+            replies[i] = chat(client, conversations[i], max_tokens=8)[:2]
         except Exception as e:  # reported below
             errors.append(repr(e))
 
@@ -58,14 +58,15 @@ def _closing(log: str) -> tuple[int, int]:
 def sigterm_after_a_round(serve, model, store, durability: str, rounds: int = 1) -> None:
     """`rounds` turns of every conversation, a SIGTERM within a millisecond of the
     last replies, a restart: every conversation's next turn restores all it sent,
-    its last reply included (a single turn is a conversation too)."""
+    its last reply included (but the end-of-turn tokens after a reply that comes
+    back as generated: `least_restored`; a single turn is a conversation too)."""
     server = serve(model, *durability_args(durability), store=store)
     client = server.client()
     conversations = [
         [{"role": "system", "content": s}, {"role": "user", "content": QUESTIONS[i]}] for i, s in enumerate(SYSTEMS)
     ]
     for r in range(rounds - 1):
-        for i, reply in enumerate(_round(client, conversations)):
+        for i, (reply, _) in enumerate(_round(client, conversations)):
             conversations[i] += [{"role": "assistant", "content": reply}, {"role": "user", "content": QUESTIONS[r]}]
     replies = _round(client, conversations)
     server.proc.send_signal(signal.SIGTERM)  # within a millisecond of the last reply
@@ -77,10 +78,12 @@ def sigterm_after_a_round(serve, model, store, durability: str, rounds: int = 1)
     assert time.monotonic() - signalled < 30
 
     previous = []
-    for i, reply in enumerate(replies):
-        conversations[i] += [{"role": "assistant", "content": reply}]
-        previous.append(rendered_length(model, conversations[i]))
-        conversations[i] += [{"role": "user", "content": QUESTIONS[(i + 1) % 4]}]
+    for i, (reply, ids) in enumerate(replies):
+        previous.append(least_restored(model, conversations[i], ids, reply))
+        conversations[i] += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": QUESTIONS[(i + 1) % 4]},
+        ]
     server = serve(model, *durability_args(durability), store=store)
     restored = [chat(server.client(), c, max_tokens=2)[2] for c in conversations]
     assert all(r >= p for r, p in zip(restored, previous)), (restored, previous)
