@@ -23,7 +23,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .models import FAMILIES, model_args, tiny_model
+from .round_trip import round_trip_replies
 from .tokenizer import demo_tokenizer
+
+REPLIES = ("random", "round-trip")
 
 
 def write_model_dir(
@@ -33,20 +36,38 @@ def write_model_dir(
     vocab_size: int = 512,
     seed: int = 0,
     dtype: mx.Dtype = mx.float32,
+    replies: str = "random",
     **overrides: Any,
 ):
     """Write `family`'s random-weight model (with `overrides`, in `dtype`) and a
-    BPE tokenizer of `vocab_size` tokens to `path`; returns the path."""
+    BPE tokenizer of `vocab_size` tokens to `path`; returns the path.
+
+    `replies`: "random" (random tokens), or "round-trip" (llama only): weights
+    whose greedy replies render back to the tokens generated when the next
+    turn's chat template holds them (promptstore.testing.round_trip), which
+    config.json then says (`promptstore_replies`)."""
+    if replies not in REPLIES:
+        raise ValueError(f"replies must be one of {REPLIES}, not {replies!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     overrides = dict(overrides, vocab_size=vocab_size)
     model = tiny_model(family, seed=seed, dtype=dtype, **overrides)
+    tokenizer = demo_tokenizer(vocab_size)._tokenizer
+    if replies == "round-trip":
+        round_trip_replies(model, tokenizer)
     config = dataclasses.asdict(model_args(family, **overrides))
     config["model_type"] = family
+    if replies != "random":
+        config["promptstore_replies"] = replies
     (path / "config.json").write_text(json.dumps(config, indent=1))
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    demo_tokenizer(vocab_size)._tokenizer.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
     return path
+
+
+def replies_of(path: str | Path) -> str:
+    """The reply mode a model directory was written with ("random" where config.json does not say)."""
+    return json.loads((Path(path) / "config.json").read_text()).get("promptstore_replies", "random")
 
 
 class _Arguments(argparse.ArgumentParser):

@@ -11,11 +11,24 @@ the one that goes first rotating, so each sees the same machine load.
   context of their own over several rounds; then every server killed by
   SIGKILL and started again on its same folders, the next round timed, one
   more round; then the same after a SIGTERM.
+- chat-8, chat-16, chat-32: the chat workload with 8, 16 and 32 users, the
+  budget grown with them (not in `all`: `--workload chat-users` runs the three).
 - pressure: conversations whose state is several times the memory budget,
   visited round-robin (one request at a time), so a returning conversation
   finds its state evicted from memory; every reply compared with a full
   prefill's (mlx_lm.server with no prompt cache) at temperature 0.
 - single: one conversation alone, hot, several rounds: what one agent sees.
+
+The workloads are in serve_workloads.py, the servers in serve_peers.py, the
+figures and goals in serve_goals.py, the tables in serve_docs.py.
+
+--replies: the model's random weights write random tokens, which mostly
+tokenize otherwise when the next turn's template renders the reply's text, so
+a server prefills the whole reply again; with `round-trip` the model folder's
+weights are reshaped (promptstore/testing/round_trip.py) so that its greedy
+replies render back to exactly the tokens generated, as a real model's mostly
+do. Every reply is checked against the template either way (each round's
+`replies_round_trip`).
 
 Each workload runs --runs times on fresh servers and folders; a round's
 figure is the median over runs of its TTFT p50 over users. Before servers
@@ -34,12 +47,10 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -57,11 +68,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks_doc import write_docs  # noqa: E402
 from serve_docs import print_report  # noqa: E402
+from serve_goals import goals, restart_figures, summarize  # noqa: E402
 from serve_peers import (  # noqa: E402
     MLX_LM,
-    PEERS,
     PROMPTSTORE,
-    REQUEST_TIMEOUT_S,
     VLLM_MLX,
     Server,
     Setup,
@@ -72,10 +82,23 @@ from serve_peers import (  # noqa: E402
     vllm_log,
     vllm_missing,
 )
+from serve_workloads import (  # noqa: E402
+    CHAT_USERS,
+    QUESTIONS,
+    VOCAB,
+    Run,
+    chat,
+    fire,
+    kind,
+    pressure,
+    round_trips,
+    single,
+    text_of,
+    warm_prompts,
+)
 
-from promptstore.testing.model_dir import write_model_dir  # noqa: E402
+from promptstore.testing.model_dir import REPLIES, replies_of, write_model_dir  # noqa: E402
 from promptstore.testing.models import DEMO_LLAMA  # noqa: E402
-from promptstore.testing.tokenizer import CORPUS, demo_tokenizer  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 PROFILES = {
@@ -120,40 +143,18 @@ PROFILES["quick"] = dict(
     pressure=dict(conversations=4, context_tokens=256, passes=2, answer_tokens=8, budget=1 * MiB),
     single=dict(system_tokens=256, context_tokens=256, rounds=3, answer_tokens=8, budget=64 * MiB),
 )
-WORKLOADS = ("chat", "pressure", "single")
+# chat-8, chat-16, chat-32: each profile's chat with that many users, its budget grown
+# with them (every user's conversation fits, as in chat: more users, not memory pressure).
+for _profile in PROFILES.values():
+    for _users in CHAT_USERS:
+        _chat = _profile["chat"]
+        _profile[f"chat-{_users}"] = dict(_chat, users=_users, budget=_chat["budget"] * _users // _chat["users"])
+WORKLOADS = ("chat", *(f"chat-{n}" for n in CHAT_USERS), "pressure", "single")
+# --workload all: chat-8, chat-16 and chat-32 take 14 times chat's users (about 30 min more
+# on 2 CPU cores); --workload chat-users runs those three.
+GROUPS = {"all": ("chat", "pressure", "single"), "chat-users": tuple(f"chat-{n}" for n in CHAT_USERS)}
 SERVERS = (MLX_LM, VLLM_MLX, PROMPTSTORE)
-VOCAB = 1024
-QUESTIONS = [
-    "What does the passage above say about the harbour?",
-    "Summarise the last answer in one sentence.",
-    "Which book would you recommend to a beginner, and why?",
-    "What happens on the weekend in the town?",
-    "Can you explain the tides in simpler words?",
-    "What should a visitor see first?",
-]
 SETTLE_S = 2.0  # before a stop: spills written through land, as they would on a server at rest
-# Between two rounds of a server that runs alone (--one-at-a-time), its users read
-# the answers: side by side, the other servers' rounds stand there (seconds).
-READ_S = 2.0
-
-
-def text_of(tokens: int, start: int) -> str:
-    """Corpus text of about `tokens` tokens, from paragraph `start` on."""
-    tok = demo_tokenizer(VOCAB)
-    paragraphs = [p for p in CORPUS.read_text().splitlines() if p.strip()]
-    words: list[str] = []
-    k = start
-    while len(tok.encode(" ".join(words))) < tokens:
-        words += paragraphs[k % len(paragraphs)].split()
-        k += 7
-    lo, hi = 1, len(words)
-    while lo < hi:  # the fewest words reaching `tokens`
-        mid = (lo + hi) // 2
-        if len(tok.encode(" ".join(words[:mid]))) >= tokens:
-            hi = mid
-        else:
-            lo = mid + 1
-    return " ".join(words[:lo])
 
 
 def kv_bytes_per_token(profile: dict) -> int:
@@ -161,194 +162,9 @@ def kv_bytes_per_token(profile: dict) -> int:
     return 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * m["head_dim"] * getattr(mx, profile["dtype"]).size
 
 
-class Run:
-    """One run of one workload: the servers, their conversations and what they answered."""
-
-    def __init__(self, servers: dict[str, Server]):
-        self.servers = servers
-        self.rows: list[dict] = []  # one per request: server, round, user, ttft_s, replies...
-        self.rounds: list[str] = []
-        self.round_diagnostics: dict[str, dict[str, dict]] = {}
-        self.turn = 0  # rotates who goes first
-
-    def order(self) -> list[str]:
-        names = list(self.servers)
-        k = self.turn % len(names)
-        self.turn += 1
-        return names[k:] + names[:k]
-
-    def round(self, label: str, asks: dict[str, list[tuple[int, list[dict]]]], max_tokens: int, waves=None) -> None:
-        """Every server in turn answers its requests of this round, at once
-        (`waves`: lists of users sent one after the other)."""
-        self.rounds.append(label)
-        for name in self.order():
-            server = self.servers[name]
-            offset = server.log.stat().st_size if server.log.exists() else 0
-            before = server.storage_reads() if "after" in label else {}
-            health = server.health() if "after" in label else None
-            answers = fire(server, asks[name], max_tokens, waves)
-            for user, answer in answers.items():
-                self.rows.append(dict(answer, server=name, round=label, user=user))
-            diag = log_window(server, offset)
-            if "after" in label:
-                after = server.storage_reads()
-                diag |= {"storage_reads": {k: after[k] - before.get(k, 0) for k in after}, "health_before": health}
-            self.round_diagnostics.setdefault(label, {})[name] = diag
-            p50 = statistics.median(a["ttft_s"] for a in answers.values()) * 1e3
-            print(f"  {label}: {name} TTFT p50 {p50:,.0f} ms{round_said(diag)}", flush=True)
-        if len(self.servers) == 1:
-            time.sleep(READ_S)  # alone, no other server's round stands between two of its rounds
-
-
-def fire(server: Server, asks: list[tuple[int, list[dict]]], max_tokens: int, waves=None) -> dict[int, dict]:
-    """Send (user, messages) requests at once, in waves when given; answers by user."""
-    client = server.client()
-    out: dict[int, dict] = {}
-
-    def one(user: int, messages: list[dict]) -> None:
-        out[user] = ask(server, messages, max_tokens, client)
-
-    by_user = dict(asks)
-    for wave in waves or [list(by_user)]:
-        threads = [threading.Thread(target=one, args=(u, by_user[u])) for u in wave]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=REQUEST_TIMEOUT_S)
-    if len(out) != len(by_user):
-        print(f"{server.name}'s log, last lines:\n{server.log_tail()}", file=sys.stderr)
-        raise RuntimeError(f"{server.name}: a request failed")
-    return out
-
-
-def round_said(diag: dict) -> str:
-    """promptstore serve's round from its log, for the progress line (a run cut
-    short still leaves it): restored share, tokens from disk and how, medians of
-    the fetch and of the rest to the first token."""
-    rows = diag.get("timelines")
-    if not rows:
-        return ""
-    plans = Counter(r["plan"] for r in rows if r["plan"])
-    how = f" ({', '.join(f'{k} x{n}' for k, n in plans.items())})" if plans else ""
-    share = diag["restored_share"]
-    said = f"; restored {'-' if share is None else f'{share:.0%}'}, {diag['from_disk_tokens']:,} tokens from disk{how}"
-    for phase in ("fetch_ms", "prefill_first_ms"):
-        values = [r[phase] for r in rows if phase in r]
-        if values:
-            said += f", {phase[:-3]} {statistics.median(values):,.0f} ms"
-    return said
-
-
-def log_window(server: Server, offset: int) -> dict:
-    """What the server's log says about the requests since `offset`."""
-    if not server.log.exists():
-        return {}
-    with open(server.log, "rb") as f:
-        f.seek(offset)
-        lines = f.read().decode(errors="replace").splitlines()
-    if server.name == PROMPTSTORE:
-        d = promptstore_log(lines)
-        rows = d["timelines"]
-        restored = [r["restored"] / r["prompt"] for r in rows if r["prompt"]]
-        return {
-            "restored_share": statistics.mean(restored) if restored else None,
-            "from_disk_tokens": sum(r["from_disk"] for r in rows),
-            "timelines": rows,
-        }
-    if server.name == VLLM_MLX:
-        d = vllm_log(lines)
-        rows = d["fetches"]
-        return {
-            "restored_share": statistics.mean(r["cached"] / r["prompt"] for r in rows) if rows else None,
-            "ssd_promotions": len(d["ssd_promotions"]),
-        }
-    return {}
-
-
-# ---- the workloads ---------------------------------------------------------------
-
-
-def chat(run: Run, w: dict, restart) -> None:
-    """Rounds of every user at once, then a SIGKILL restart and a SIGTERM restart."""
-    system = text_of(w["system_tokens"], 0)
-    own = [text_of(w["context_tokens"], 11 * (u + 1)) for u in range(w["users"])]
-    first = [[{"role": "system", "content": system + "\n\n" + text}] for text in own]
-    convs = {name: [list(f) for f in first] for name in run.servers}
-    for n in range(1, w["rounds"] + 5):
-        # The SIGKILL first: no server has saved anything at a stop before it (a
-        # server that saves only at SIGTERM would otherwise restore that save).
-        if n == w["rounds"] + 1:
-            restart("SIGKILL")
-        if n == w["rounds"] + 3:
-            restart("SIGTERM")
-        label = f"round {n}" + {w["rounds"] + 1: ", after SIGKILL", w["rounds"] + 3: ", after SIGTERM"}.get(n, "")
-        question = {"role": "user", "content": QUESTIONS[(n - 1) % len(QUESTIONS)]}
-        asks = {name: [(u, c + [question]) for u, c in enumerate(cs)] for name, cs in convs.items()}
-        # The first round opens with one user alone, so every server holds the
-        # shared system prompt when the others arrive, as a server in use would.
-        waves = [[0], list(range(1, w["users"]))] if n == 1 else None
-        run.round(label, asks, w["answer_tokens"], waves)
-        for name, cs in convs.items():
-            for u, c in enumerate(cs):
-                reply = answer_of(run, name, label, u)
-                cs[u] = c + [question, {"role": "assistant", "content": reply}]
-
-
-def pressure(run: Run, w: dict) -> None:
-    """Conversations visited round-robin, one request at a time."""
-    convs = {
-        name: [
-            [{"role": "system", "content": text_of(w["context_tokens"], 13 * c + 3)}] for c in range(w["conversations"])
-        ]
-        for name in run.servers
-    }
-    for p in range(1, w["passes"] + 1):
-        label = f"pass {p}" + (" (first visits)" if p == 1 else " (returning)")
-        run.rounds.append(label)
-        offsets = {name: s.log.stat().st_size if s.log.exists() else 0 for name, s in run.servers.items()}
-        for c in range(w["conversations"]):
-            question = {"role": "user", "content": QUESTIONS[(p + c) % len(QUESTIONS)]}
-            for name in run.order():
-                messages = convs[name][c] + [question]
-                answer = ask(run.servers[name], messages, w["answer_tokens"])
-                run.rows.append(dict(answer, server=name, round=label, user=c, messages=messages))
-                convs[name][c] = messages + [{"role": "assistant", "content": answer["reply"]}]
-        for name, server in run.servers.items():
-            run.round_diagnostics.setdefault(label, {})[name] = log_window(server, offsets[name])
-            p50 = statistics.median(r["ttft_s"] for r in run.rows if r["round"] == label and r["server"] == name)
-            said = round_said(run.round_diagnostics[label][name])
-            print(f"  {label}: {name} TTFT p50 {p50 * 1e3:,.0f} ms{said}", flush=True)
-
-
-def single(run: Run, w: dict) -> None:
-    """One conversation alone: a system prompt, its own context, then rounds."""
-    system = text_of(w["system_tokens"], 2)
-    context = text_of(w["context_tokens"], 29)
-    convs = {name: [{"role": "system", "content": system}] for name in run.servers}
-    for n in range(1, w["rounds"] + 1):
-        text = QUESTIONS[(n - 1) % len(QUESTIONS)]
-        question = {"role": "user", "content": context + "\n\n" + text if n == 1 else text}
-        label = f"round {n}"
-        run.round(label, {name: [(0, c + [question])] for name, c in convs.items()}, w["answer_tokens"])
-        for name, c in convs.items():
-            convs[name] = c + [question, {"role": "assistant", "content": answer_of(run, name, label, 0)}]
-
-
-def answer_of(run: Run, name: str, label: str, user: int) -> str:
-    return next(r["reply"] for r in run.rows if (r["server"], r["round"], r["user"]) == (name, label, user))
-
-
-def warm_prompts(workload: str, w: dict) -> list[list[dict]] | None:
-    """The system prompt a deployment knows before any request (vllm-mlx's and promptstore's --warm-prompts)."""
-    if workload == "chat":
-        return [[{"role": "system", "content": text_of(w["system_tokens"], 0)}]]
-    if workload == "single":
-        return [[{"role": "system", "content": text_of(w["system_tokens"], 2)}]]
-    return None  # pressure: no prompt is shared or known ahead
-
-
-def run_workload(workload: str, w: dict, base: Setup, names: list[str], args, run_no: int) -> dict:
-    """One run of `workload` on fresh servers and folders; its rows and diagnostics."""
+def run_workload(workload: str, w: dict, base: Setup, names: list[str], args, run_no: int, tokenizer) -> dict:
+    """One run of `workload` on fresh servers and folders; its rows and diagnostics,
+    each reply checked against the chat template (`tokenizer`, the model folder's)."""
     work = base.work / f"{workload}-{run_no}"
     work.mkdir(parents=True)
     setup = Setup(
@@ -369,7 +185,7 @@ def run_workload(workload: str, w: dict, base: Setup, names: list[str], args, ru
     if workload == "pressure" and w.get("check_replies", True):
         out["full_prefill"] = compare_with_full_prefill(out["rows"], setup)
     for r in out["rows"]:
-        r.pop("messages", None)
+        r["round_trip"] = round_trips(tokenizer, r.pop("messages"), r)
     if not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     return out
@@ -390,6 +206,7 @@ def run_servers(workload: str, w: dict, setup: Setup, names: list[str], args) ->
 
     def restart(how: str) -> None:
         time.sleep(SETTLE_S)
+        run.settle()
         t0 = time.perf_counter()
         each(list(servers.values()), lambda server: server.stop() if how == "SIGTERM" else server.kill())
         dropped = drop_page_cache() if args.drop_page_cache else None
@@ -400,13 +217,14 @@ def run_servers(workload: str, w: dict, setup: Setup, names: list[str], args) ->
         print(f"  {how}: every server stopped and started again in {time.perf_counter() - t0:.1f} s", flush=True)
 
     try:
-        if workload == "chat":
+        if kind(workload) == "chat":
             chat(run, w, restart)
         elif workload == "pressure":
             pressure(run, w)
         else:
             single(run, w)
         time.sleep(SETTLE_S)
+        run.settle()
     finally:
         each([server for server in servers.values() if server.running()], lambda server: server.stop())
     out = {
@@ -506,19 +324,19 @@ def compare_with_full_prefill(rows: list[dict], setup: Setup) -> dict:
     """Every pressure request again through its server's software with no prompt
     cache (mlx_lm.server's for promptstore serve); each reply against that one."""
     replies: dict[tuple[str, str], str] = {}
-    for kind in dict.fromkeys(VLLM_MLX if r["server"] == VLLM_MLX else MLX_LM for r in rows):
-        ref = reference_server(kind, setup).start()
+    for software in dict.fromkeys(VLLM_MLX if r["server"] == VLLM_MLX else MLX_LM for r in rows):
+        ref = reference_server(software, setup).start()
         try:
             for r in rows:
-                key = (kind, json.dumps(r["messages"]))
-                if (VLLM_MLX if r["server"] == VLLM_MLX else MLX_LM) == kind and key not in replies:
+                key = (software, json.dumps(r["messages"]))
+                if (VLLM_MLX if r["server"] == VLLM_MLX else MLX_LM) == software and key not in replies:
                     replies[key] = ask(ref, r["messages"], setup.answer_tokens)["reply"]
         finally:
             ref.stop()
     out: dict[str, dict] = {}
     for r in rows:
-        kind = VLLM_MLX if r["server"] == VLLM_MLX else MLX_LM
-        same = replies[(kind, json.dumps(r["messages"]))] == r["reply"]
+        software = VLLM_MLX if r["server"] == VLLM_MLX else MLX_LM
+        same = replies[(software, json.dumps(r["messages"]))] == r["reply"]
         r["equals_full_prefill"] = same
         s = out.setdefault(r["server"], {"equal": 0, "requests": 0, "differ": []})
         s["equal"] += same
@@ -528,125 +346,27 @@ def compare_with_full_prefill(rows: list[dict], setup: Setup) -> dict:
     return out
 
 
-# ---- results ---------------------------------------------------------------------
-
-
-def summarize(workload: str, runs: list[dict], names: list[str]) -> dict:
-    """Per server, per round: the median over runs of the round's TTFT p50 over users."""
-    out: dict[str, dict] = {}
-    for name in names:
-        rounds = {}
-        for label in runs[0]["rounds"]:
-            per_run = [
-                statistics.median(r["ttft_s"] for r in run["rows"] if r["server"] == name and r["round"] == label)
-                for run in runs
-            ]
-            rows = [r for run in runs for r in run["rows"] if r["server"] == name and r["round"] == label]
-            cached = [r["cached_tokens"] / r["prompt_tokens"] for r in rows if r["cached_tokens"] is not None]
-            diag = [run["round_diagnostics"].get(label, {}).get(name, {}) for run in runs]
-            shares = [d["restored_share"] for d in diag if d.get("restored_share") is not None]
-            rounds[label] = {
-                "ttft_p50_s": statistics.median(per_run),
-                "ttft_p50_s_per_run": per_run,
-                "ttft_max_s": max(r["ttft_s"] for r in rows),
-                "requests": len(rows),
-                "restored_share": statistics.mean(cached) if cached else (statistics.mean(shares) if shares else None),
-                "replies_equal_mlx_lm": None,
-            }
-        out[name] = rounds
-    base = MLX_LM if MLX_LM in names else None
-    for name in names:
-        for label, s in out[name].items():
-            if base:
-                a = [r for run in runs for r in run["rows"] if r["server"] == base and r["round"] == label]
-                b = [r for run in runs for r in run["rows"] if r["server"] == name and r["round"] == label]
-                s["replies_equal_mlx_lm"] = f"{sum(x['reply'] == y['reply'] for x, y in zip(a, b))}/{len(a)}"
-    if workload == "pressure" and all("full_prefill" in run for run in runs):
-        for name in names:
-            eq = [run["full_prefill"][name] for run in runs]
-            out[name]["replies_equal_full_prefill"] = f"{sum(e['equal'] for e in eq)}/{sum(e['requests'] for e in eq)}"
-    return out
-
-
-def goal(what: str, ours: float | None, theirs: float | None, limit: float) -> dict:
-    value = ours / theirs if ours is not None and theirs else None
-    return {"goal": what, "value": value, "limit": limit, "met": None if value is None else value <= limit}
-
-
-def goals(results: dict) -> list[dict]:
-    """The issue's goals as computed ratios of TTFT p50 (None where a server was not run)."""
-    ours = results.get(PROMPTSTORE, {})
-
-    def p50(name: str, workload: str, label: str) -> float | None:
-        return results.get(name, {}).get(workload, {}).get(label, {}).get("ttft_p50_s")
-
-    out = []
-    for workload in ("chat", "single"):
-        for label in ours.get(workload, {}):
-            if not label.startswith("round"):
-                continue
-            if "SIGKILL" in label:
-                for peer in PEERS:
-                    g = goal(
-                        f"{workload}, {label}: vs {peer}",
-                        p50(PROMPTSTORE, workload, label),
-                        p50(peer, workload, label),
-                        0.3,
-                    )
-                    out.append(g)
-            elif "SIGTERM" not in label:
-                peers = [p50(peer, workload, label) for peer in PEERS if p50(peer, workload, label)]
-                g = goal(
-                    f"{workload}, {label}: vs the faster peer",
-                    p50(PROMPTSTORE, workload, label),
-                    min(peers, default=None),
-                    1.0,
-                )
-                out.append(g)
-    for label in ours.get("pressure", {}):
-        if label.startswith("pass") and "first" not in label:
-            for peer, limit in ((VLLM_MLX, 0.5), (MLX_LM, 0.3)):
-                g = goal(
-                    f"pressure, {label}: vs {peer}",
-                    p50(PROMPTSTORE, "pressure", label),
-                    p50(peer, "pressure", label),
-                    limit,
-                )
-                out.append(g)
-    if "replies_equal_full_prefill" in ours.get("pressure", {}):
-        equal, total = map(int, ours["pressure"]["replies_equal_full_prefill"].split("/"))
-        out.append(
-            {
-                "goal": "pressure: replies equal to a full prefill's",
-                "value": equal / total,
-                "limit": 1.0,
-                "met": equal == total,
-                "at_least": True,
-            }
-        )
-    return out
-
-
-def restart_figures(results: dict) -> list[dict]:
-    """After a restart, promptstore serve against each peer (reported, no goal after SIGTERM)."""
-    ours = results.get(PROMPTSTORE, {}).get("chat", {})
-    out = []
-    for label, s in ours.items():
-        if "SIGTERM" in label:
-            for peer in PEERS:
-                theirs = results.get(peer, {}).get("chat", {}).get(label, {}).get("ttft_p50_s")
-                out.append({"what": f"chat, {label}: vs {peer}", "value": s["ttft_p50_s"] / theirs if theirs else None})
-    return out
-
-
 # ---- main ------------------------------------------------------------------------
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
-    p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    p.add_argument(
+        "--workload",
+        choices=[*WORKLOADS, *GROUPS],
+        default="all",
+        help="all: chat, pressure and single; chat-users: chat-8, chat-16 and chat-32 (default: all)",
+    )
     p.add_argument("--runs", type=int, default=3, help="runs of each workload; figures are medians over runs")
+    p.add_argument(
+        "--replies",
+        choices=REPLIES,
+        default="random",
+        help="random: the random-weight model's replies, random tokens that mostly tokenize otherwise when the "
+        "next turn renders them; round-trip: weights whose greedy replies render back to the tokens generated, "
+        "as a real model's mostly do (promptstore/testing/round_trip.py) (default: random)",
+    )
     p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated subset of {', '.join(SERVERS)}")
     p.add_argument(
         "--vllm-mlx-python",
@@ -717,12 +437,16 @@ def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
     started = time.perf_counter()
     model = Path(args.model_dir) if args.model_dir else work / "model"
     if (model / "config.json").exists():
-        print(f"model read from {model}: {profile['note']}", flush=True)
+        if replies_of(model) != args.replies:
+            raise SystemExit(f"{model} was written for {replies_of(model)} replies, not --replies {args.replies}")
+        print(f"model read from {model}: {profile['note']}; {args.replies} replies", flush=True)
     else:
         dtype = getattr(mx, profile["dtype"])
-        write_model_dir(model, "llama", vocab_size=VOCAB, dtype=dtype, **profile["model"])
+        write_model_dir(model, "llama", vocab_size=VOCAB, dtype=dtype, replies=args.replies, **profile["model"])
         mx.clear_cache()
-        print(f"model written in {time.perf_counter() - started:.1f} s: {profile['note']}", flush=True)
+        took = time.perf_counter() - started
+        print(f"model written in {took:.1f} s: {profile['note']}; {args.replies} replies", flush=True)
+    tokenizer = folder_tokenizer(model)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     vllm_pythonpath = args.vllm_mlx_pythonpath
     if args.mlx_cache_limit_gb is not None:
@@ -755,12 +479,12 @@ def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
         warm_up_process(base, profile)
     before = earlier(out_path, args) if args.merge else {}
     details: dict[str, list] = dict(before.get("details", {}))
-    for workload in list(WORKLOADS) if args.workload == "all" else [args.workload]:
+    for workload in GROUPS.get(args.workload, [args.workload]):
         done = details.get(workload, [])
         details[workload] = list(done)
         for n in range(len(done), len(done) + args.runs):
             print(f"{workload}, run {n + 1} ({args.runs} in this call):", flush=True)
-            details[workload].append(run_workload(workload, profile[workload], base, names, args, n))
+            details[workload].append(run_workload(workload, profile[workload], base, names, args, n, tokenizer))
     results: dict[str, dict] = {}
     for workload in [w for w in WORKLOADS if w in details]:
         ran = [n for n in SERVERS if any(r["server"] == n for r in details[workload][0]["rows"])]
@@ -773,6 +497,7 @@ def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
         "device": describe_device(),
         "commands": [*before.get("commands", []), command(args)],
         "note": profile["note"],
+        "replies": args.replies,
         "run_note": "; ".join(n for n in (before.get("run_note"), args.note) if n),
         "wall_s": before.get("wall_s", 0) + time.perf_counter() - started,
         "servers": sorted(results, key=SERVERS.index),
@@ -798,6 +523,13 @@ def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
     return 0
 
 
+def folder_tokenizer(model: Path):
+    """The model folder's tokenizer, with its chat template: what the servers load."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model))
+
+
 def mlx_cache_cap(work: Path, limit: int) -> str:
     """A folder whose sitecustomize caps MLX's buffer cache at `limit` bytes in
     every Python started with it on its path (each server, alike)."""
@@ -818,11 +550,15 @@ def earlier(out_path: str, args) -> dict:
     if doc.get("benchmark") != "serve-peers" or doc.get("profile") != args.profile:
         print(f"--merge: {path} holds another benchmark or profile; not merged", flush=True)
         return {}
+    if doc.get("replies", "random") != args.replies:
+        print(f"--merge: {path} holds runs with {doc.get('replies', 'random')} replies; not merged", flush=True)
+        return {}
     return doc
 
 
 def command(args) -> str:
     flags = [f"--profile {args.profile}", f"--workload {args.workload}", f"--runs {args.runs}"]
+    flags += [f"--replies {args.replies}"] if args.replies != "random" else []
     flags += ["--drop-page-cache"] if args.drop_page_cache else []
     flags += ["--one-at-a-time"] if args.one_at_a_time else []
     flags += [f"--mlx-cache-limit-gb {args.mlx_cache_limit_gb:g}"] if args.mlx_cache_limit_gb is not None else []

@@ -20,6 +20,23 @@ WHAT = {
     "pressure": "memory pressure: conversations visited round-robin, their state several times the budget",
     "single": "one conversation alone, hot",
 }
+REPLIES = {
+    "random": "the random weights' replies (random tokens, which mostly tokenize otherwise in the next turn)",
+    "round-trip": "replies that render back to the tokens generated (weights reshaped so, as a real model's "
+    "replies mostly do: promptstore/testing/round_trip.py)",
+}
+
+
+def what(workload: str) -> str:
+    """A workload's title: chat-8 is the chat workload with 8 users."""
+    if workload.startswith("chat-"):
+        return f"{WHAT['chat']}, {workload.split('-')[1]} users"
+    return WHAT[workload]
+
+
+def workload_of(goal: str) -> str:
+    """The workload a goal or figure names first: `chat-8, round 2: vs ...` is chat-8's."""
+    return goal.split(",")[0].split(":")[0]
 
 
 def ms(seconds: float | None) -> str:
@@ -32,7 +49,7 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def describe(workload: str, w: dict) -> str:
     budget = f"a memory budget of {w['budget'] / 2**20:,.0f} MiB for every server"
-    if workload == "chat":
+    if workload.startswith("chat"):
         return (
             f"{w['users']} users at once, a {w['system_tokens']:,}-token system prompt they share and "
             f"{w['context_tokens']:,} tokens of each user's own, {w['answer_tokens']}-token answers; {w['rounds']} "
@@ -83,7 +100,7 @@ def header(doc: dict) -> list[str]:
 def goal_rows(doc: dict, workload: str | None = None) -> list[tuple[str, float | None, str]]:
     out = []
     for g in doc["goals"]:
-        if workload and not g["goal"].startswith(workload):
+        if workload and workload_of(g["goal"]) != workload:
             continue
         limit = f">= {g['limit']}" if g.get("at_least") else f"<= {g['limit']}"
         out.append((g["goal"], g["value"], f"{limit}, {STATUS[g['met']]}"))
@@ -100,7 +117,7 @@ def section(name: str, where: str, doc: dict) -> str:
         " then ".join(f"`{c}`" for c in doc["commands"])
         + f", {doc['date'][:10]}, {doc['device']}; {doc['note']}. Each figure is the median over runs of a round's "
         f"TTFT p50 over its users; the whole run took {doc['wall_s'] / 60:.1f} min.{run_note}{skipped} "
-        f"Versions: {versions(doc)}.",
+        f"Versions: {versions(doc)}. Replies: {REPLIES[doc.get('replies', 'random')]}.",
         "",
         "Each cell is a round's TTFT p50 and, in brackets, the share of the prompt the server restored from its "
         "cache (mlx_lm.server and promptstore serve in their replies' usage, vllm-mlx in its log).",
@@ -109,7 +126,7 @@ def section(name: str, where: str, doc: dict) -> str:
         w = doc["workloads"][workload]
         lines += [
             "",
-            f"#### {WHAT[workload]}",
+            f"#### {what(workload)}",
             "",
             describe(workload, w) + f"; {w['runs']} run(s), {w['wall_s'] / 60:.1f} min.",
             "",
@@ -124,11 +141,17 @@ def section(name: str, where: str, doc: dict) -> str:
                 lines += ["", f"Replies equal to a full prefill's: {said}."]
             else:
                 lines += ["", "Replies not compared with a full prefill's (bfloat16: the check is float32's)."]
-        if workload == "chat" and doc.get("after_sigterm"):
-            figs = ", ".join(
-                f"{f['what'].split(': ')[-1]} {f['value']:.2f}x" for f in doc["after_sigterm"] if f["value"]
-            )
+        figs = ", ".join(
+            f"{f['what'].split(': ')[-1]} {f['value']:.2f}x"
+            for f in doc.get("after_sigterm", [])
+            if f["value"] and workload_of(f["what"]) == workload
+        )
+        if figs:
             lines += ["", f"After the SIGTERM restart (no goal), promptstore serve's TTFT p50 {figs}."]
+        if said := round_trips(doc, workload):
+            lines += ["", f"Replies that render back to the tokens generated: {said}."]
+        if said := reply_stores(doc, workload):
+            lines += ["", f"promptstore serve's reply stores, over every run: {said}."]
         phases = timeline_medians(doc, workload)
         if phases:
             lines += ["", f"promptstore serve's request phases, medians: {phases}."]
@@ -144,6 +167,35 @@ def versions(doc: dict) -> str:
     peer = v.get(VLLM_MLX)
     text = f"mlx {v.get('mlx')}, mlx-lm {v.get('mlx-lm')}"
     return text + (f"; vllm-mlx {peer['vllm-mlx']} on mlx-lm {peer['mlx-lm']}, mlx {peer['mlx']}" if peer else "")
+
+
+def round_trips(doc: dict, workload: str) -> str:
+    """Per server, the replies the next turn renders back to the tokens generated, over all rounds."""
+    said = []
+    for name, res in doc["results"].items():
+        counts = [s.get("replies_round_trip") for s in res.get(workload, {}).values() if isinstance(s, dict)]
+        counts = [tuple(map(int, c.split("/"))) for c in counts if c]
+        if counts:
+            said.append(f"{name} {sum(a for a, _ in counts)}/{sum(b for _, b in counts)}")
+    return ", ".join(said)
+
+
+def reply_stores(doc: dict, workload: str) -> str:
+    """promptstore serve's reply stores over every run's rounds: forwards run, the
+    replies they stored, and the replies stored with none (empty where it logged none)."""
+    diags = [
+        by_server.get(PROMPTSTORE, {})
+        for run in doc.get("details", {}).get(workload, [])
+        for by_server in run.get("round_diagnostics", {}).values()
+    ]
+    total = {k: sum(d.get(k, 0) for d in diags) for k in ("reply_forwards", "replies_by_forwards")}
+    total["without"] = sum(d.get("replies_without_forward", 0) for d in diags)
+    if not any(total.values()):
+        return ""
+    return (
+        f"{total['reply_forwards']} forwards storing {total['replies_by_forwards']} replies, "
+        f"{total['without']} replies stored without a forward"
+    )
 
 
 def timeline_medians(doc: dict, workload: str) -> str:
@@ -189,8 +241,9 @@ def print_report(doc: dict) -> None:
     """The tables and the goals, as text."""
     from common import print_goals
 
+    print(f"\nreplies: {doc.get('replies', 'random')}")
     for workload in doc["workloads"]:
-        print(f"\n{WHAT[workload]}: TTFT p50 (restored share)")
+        print(f"\n{what(workload)}: TTFT p50 (restored share)")
         head = header(doc)
         table = [head, *rows(doc, workload)]
         widths = [max(len(r[i]) for r in table) for i in range(len(head))]
@@ -203,5 +256,9 @@ def print_report(doc: dict) -> None:
         phases = timeline_medians(doc, workload)
         if phases:
             print(f"  promptstore serve's request phases, medians {phases}")
+        if said := round_trips(doc, workload):
+            print(f"  replies that render back to the tokens generated: {said}")
+        if said := reply_stores(doc, workload):
+            print(f"  promptstore serve's reply stores: {said}")
     print("\nGoals (promptstore serve's TTFT p50 over the peer's):")
     print_goals(goal_rows(doc))

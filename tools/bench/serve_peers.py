@@ -262,6 +262,12 @@ TIMELINE = re.compile(
     r"(?: \((?P<disk>\d+) from disk, (?P<plan>\w+)\))?.*?; (?P<phases>.*)$"
 )
 INSERT = re.compile(r"(?P<at>\d\d:\d\d:\d\d,\d+).*insert: (?P<held>\d+) tokens, (?P<new>\d+) new; (?P<phases>.*)$")
+# A finished reply's store: forwards run over replies whose tokens do not round-trip the
+# template (n forwards, the replies and tokens they stored), or none at all where they do.
+REPLY_FORWARDS = re.compile(
+    r"reply forwards: n=(?P<n>\d+) replies=(?P<replies>\d+) tokens=(?P<tokens>\d+) ms=(?P<ms>[0-9.]+)"
+)
+REPLY_NO_FORWARD = re.compile(r"reply stored without a forward: tokens=(?P<tokens>\d+)")
 SPILL_FAILED = re.compile(r"spill of [0-9a-f]+ failed")
 STARTUP = re.compile(
     r"warm start|GPU runtime libraries|kernel warm-up|model identity|Starting httpd|store closed|bench:"
@@ -282,18 +288,26 @@ def phases(text: str) -> dict[str, float]:
 
 def promptstore_log(text: list[str]) -> dict:
     """promptstore serve's per-request timelines (restored tokens, from disk,
-    the plan, milliseconds per phase), its inserts, refused spills and the lines
-    about starting and stopping, from its log."""
-    timelines, inserts = [], []
+    the plan, milliseconds per phase), its inserts, its reply stores (the
+    forwards run, and the replies stored with none: their tokens), refused
+    spills and the lines about starting and stopping, from its log. A log
+    without reply-store lines (a server before them) gives none of them."""
+    timelines, inserts, forwards, without = [], [], [], []
     for line in text:
         if m := TIMELINE.search(line):
             row = {"prompt": int(m["prompt"]), "restored": int(m["restored"]), "from_disk": int(m["disk"] or 0)}
             timelines.append(row | {"plan": m["plan"]} | phases(m["phases"]))
         elif m := INSERT.search(line):
             inserts.append({"at": m["at"], "tokens": int(m["held"]), "new": int(m["new"])} | phases(m["phases"]))
+        elif m := REPLY_FORWARDS.search(line):
+            forwards.append({k: int(m[k]) for k in ("n", "replies", "tokens")} | {"ms": float(m["ms"])})
+        elif m := REPLY_NO_FORWARD.search(line):
+            without.append(int(m["tokens"]))
     return {
         "timelines": timelines,
         "inserts": inserts,
+        "reply_forwards": forwards,
+        "replies_without_forward": without,
         "spills_refused": sum(1 for line in text if SPILL_FAILED.search(line)),
         "starts_and_stops": [line for line in text if STARTUP.search(line)],
     }
