@@ -80,10 +80,12 @@ class InsertSettings:
         way every REPLY_CHUNK_CPU tokens and waits its grace; on a GPU one forward
         of the whole reply costs about what one of 8 tokens does (a grace there
         was not measured: none). reply_batch: None for the device's default: on
-        a GPU the batch's size; on CPU 1, where a forward's cost grows with its
-        tokens (8 replies of ~720-token chats stored in 0.85 s one at a time,
-        0.87 s together) and a batch would give way to a request only between
-        chunks of all the replies."""
+        CPU the batch's size, where a reply prefilled alone runs as ~6 forwards
+        of 8 tokens and a group of 8 as ~6 forwards in all (bench_serve's
+        chat-8: rounds 2-7 at 316-411 ms against 383-658 one at a time); on a
+        GPU 1: on an H200 a batched forward of 8 replies took 130-370 ms against
+        25-42 ms a reply alone, and one at a time gives way to a request
+        between replies (docs/serve.md, "Storing the replies of a round")."""
         on_cpu = mx.default_device() == mx.cpu
         return cls(
             finished_at_once=mx.distributed.init().size() > 1,
@@ -91,7 +93,7 @@ class InsertSettings:
             replies_before_fetch=replies_before_fetch,
             reply_chunk=REPLY_CHUNK_CPU if on_cpu else None,
             reply_grace=REPLY_GRACE_CPU_S if on_cpu else 0.0,
-            reply_batch=max(1, reply_batch or (1 if on_cpu else batch)),
+            reply_batch=max(1, reply_batch or (batch if on_cpu else 1)),
         )
 
 

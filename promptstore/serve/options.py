@@ -170,7 +170,7 @@ def _add_options(group) -> None:
         default=None,
         metavar="N",
         help="at most N chat replies waiting to be stored are prefilled together, in one batched forward "
-        "(default: --decode-concurrency on a GPU, 1 on CPU: one after another)",
+        "(default: --decode-concurrency on CPU; 1, one after another, on a GPU)",
     )
     group.add_argument(
         "--kernel-warm-up",

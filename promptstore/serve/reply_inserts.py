@@ -100,8 +100,9 @@ class ReplyStorer:
             return
         model = self._owner.model
         t = time.perf_counter()
-        if len(prefills) > 1 and all(batchable(p.cache) for p in prefills):
-            forwards = yield from self._together(model, prefills, chunk)
+        batch = self._merged(prefills) if len(prefills) > 1 and all(batchable(p.cache) for p in prefills) else None
+        if batch is not None:
+            forwards = yield from self._together(model, batch, prefills, chunk)
         else:
             forwards = 0
             for p in prefills:
@@ -177,15 +178,24 @@ class ReplyStorer:
                 yield  # a request that came meanwhile may go first (run_background's `until`)
         return forwards
 
-    def _together(self, model, prefills: list[_Prefill], chunk: int | None) -> Iterator[None]:
-        """Every reply's prefill in one batch: their caches merged (left padded to
-        the longest), the tails right padded to the longest and run in chunks,
-        then each reply's cache taken back out. Returns the forwards it ran."""
-        n = len(prefills)
-        layers = len(prefills[0].cache)
-        batch = [prefills[0].cache[i].merge([p.cache[i] for p in prefills]) for i in range(layers)]
+    @staticmethod
+    def _merged(prefills: list[_Prefill]) -> list | None:
+        """The replies' caches as one batch, layer by layer (left padded to the
+        longest); None where mlx-lm cannot merge them (each then runs alone)."""
+        try:
+            batch = [prefills[0].cache[i].merge([p.cache[i] for p in prefills]) for i in range(len(prefills[0].cache))]
+        except Exception as e:  # a cache kind or layout mlx-lm's batch does not take
+            log.debug("replies not batched (%s): one at a time", e)
+            return None
         for p in prefills:
             p.cache = None  # the batch holds the reply's state now (its own arrays may go)
+        return batch
+
+    def _together(self, model, batch: list, prefills: list[_Prefill], chunk: int | None) -> Iterator[None]:
+        """Every reply's prefill in one batch (`batch`, their merged caches): the
+        tails right padded to the longest and run in chunks, then each reply's
+        cache taken back out. Returns the forwards it ran."""
+        n = len(prefills)
         tails = [p.tail for p in prefills]
         lengths = [len(t) for t in tails]
         width = max(lengths)

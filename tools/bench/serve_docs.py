@@ -71,7 +71,7 @@ def describe(workload: str, w: dict) -> str:
 
 def rows(doc: dict, workload: str) -> list[list[str]]:
     """A row per round: each server's TTFT p50 (restored share), then promptstore's ratios."""
-    res = doc["results"]
+    res = {n: r for n, r in doc["results"].items() if workload in r}  # a merged file: some ran other workloads
     names = [n for n in (MLX_LM, VLLM_MLX, PROMPTSTORE) if n in res]
     labels = list(res[names[0]][workload]) if names else []
     out = []
@@ -85,15 +85,16 @@ def rows(doc: dict, workload: str) -> list[list[str]]:
             row.append(ms(s["ttft_p50_s"]) + share)
         ours = res.get(PROMPTSTORE, {}).get(workload, {}).get(label, {}).get("ttft_p50_s")
         for peer in (MLX_LM, VLLM_MLX):
-            if peer in res:
+            if peer in res and PROMPTSTORE in res:  # the header's ratio columns
                 row.append(ratio(ours, res[peer][workload][label]["ttft_p50_s"]))
         out.append(row)
     return out
 
 
-def header(doc: dict) -> list[str]:
-    names = [n for n in (MLX_LM, VLLM_MLX, PROMPTSTORE) if n in doc["results"]]
-    ratios = [f"promptstore ÷ {p}" for p in (MLX_LM, VLLM_MLX) if p in doc["results"] and PROMPTSTORE in names]
+def header(doc: dict, workload: str | None = None) -> list[str]:
+    res = {n: r for n, r in doc["results"].items() if workload is None or workload in r}
+    names = [n for n in (MLX_LM, VLLM_MLX, PROMPTSTORE) if n in res]
+    ratios = [f"promptstore ÷ {p}" for p in (MLX_LM, VLLM_MLX) if p in res and PROMPTSTORE in names]
     return ["round", *names, *ratios]
 
 
@@ -131,7 +132,7 @@ def section(name: str, where: str, doc: dict) -> str:
             describe(workload, w) + f"; {w['runs']} run(s), {w['wall_s'] / 60:.1f} min.",
             "",
         ]
-        head = header(doc)
+        head = header(doc, workload)
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows(doc, workload)]
         if workload == "pressure":
@@ -244,7 +245,7 @@ def print_report(doc: dict) -> None:
     print(f"\nreplies: {doc.get('replies', 'random')}")
     for workload in doc["workloads"]:
         print(f"\n{what(workload)}: TTFT p50 (restored share)")
-        head = header(doc)
+        head = header(doc, workload)
         table = [head, *rows(doc, workload)]
         widths = [max(len(r[i]) for r in table) for i in range(len(head))]
         for r in table:
