@@ -1,7 +1,7 @@
 """How far a float32 prefill in two chunks lands from one in a single call, on
 whatever device MLX runs (no store, no batching): the floor under any
 restore-against-prefill comparison there. On CPU the two agree exactly; on an
-H200 they differed by 0.7-3.1e-3 in the logits (bench-results/chat-users-cuda/
+H200 they differed by 0.7-3.1e-3 in the logits (bench-results/chat-users/
 cuda-float32-chunks.json), above the 1e-4 the CPU suite holds restores to.
 Prints the figures and writes cuda-float32-chunks.json under $OUT (else here)."""
 
