@@ -235,7 +235,7 @@ class InsertScheduler:
 
     def waiting(self) -> list[str]:
         """Every insert still waiting, as the closing line names one."""
-        return [item.said() for item in (*self._deferred, *self._background)]
+        return [m.said() for item in (*self._deferred, *self._background) for m in (item.members or (item,))]
 
     def _next(self) -> WaitingInsert:
         """The oldest finished request's insert, taken out: a chat reply not begun

@@ -159,6 +159,7 @@ def test_a_batch_gives_way_between_chunks_and_a_next_turn_finishes_it(make_cache
     asked = []
     cache.inserts.run_background(until=lambda: asked.append(1) or True)
     assert asked == [1] and cache.counts["reply_inserts_paused"] == 1 and len(cache.inserts._background) == 1
+    assert len(cache.inserts.waiting()) == 3  # a close names (and counts) each reply of the paused group
     space = cache.spaces(ALICE)[0]
     assert all(space.restorable_length(r) < len(r) for _, r in finished)  # nothing stored mid-way
     _, rendered = finished[1]
