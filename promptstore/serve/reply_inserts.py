@@ -77,15 +77,15 @@ class ReplyStorer:
     """Runs reply jobs for a StoreCache: `run(jobs)` plans each, prefills those
     that need it (together when more than one can be batched), and stores them.
 
-    counts: where it counts replies and forwards; chunk: tokens between the
-    points where the work yields (None: all at once)."""
+    counts: where it counts replies and forwards."""
 
     def __init__(self, owner, counts: Counter):
         self._owner = owner  # the StoreCache: its model, tokenizer, pieces and prefill step, once attached
         self._counts = counts
 
     def run(self, jobs: list[ReplyJob], chunk: int | None) -> Iterator[None]:
-        """Store every job; yields between chunks of the prefill (a request may go first)."""
+        """Store every job; yields every `chunk` tokens of the prefill (None: all
+        at once), where a request may go first."""
         started = time.perf_counter()
         prefills = []
         for job in jobs:
@@ -99,15 +99,14 @@ class ReplyStorer:
         if not prefills:
             return
         model = self._owner.model
-        t = time.perf_counter()
         batch = self._merged(prefills) if len(prefills) > 1 and all(batchable(p.cache) for p in prefills) else None
         if batch is not None:
-            forwards = yield from self._together(model, batch, prefills, chunk)
+            forwards, spent = yield from self._together(model, batch, prefills, chunk)
         else:
-            forwards = 0
+            forwards, spent = 0, 0.0
             for p in prefills:
-                forwards += yield from self._alone(model, p, chunk)
-        spent = time.perf_counter() - t
+                n, seconds = yield from self._alone(model, p, chunk)
+                forwards, spent = forwards + n, spent + seconds
         tokens = sum(len(p.tail) for p in prefills)
         self._counts["reply_forwards"] += forwards
         self._counts["reply_tokens_prefilled"] += tokens
@@ -167,16 +166,17 @@ class ReplyStorer:
     # --- the forwards ------------------------------------------------------------------
 
     def _alone(self, model, p: _Prefill, chunk: int | None) -> Iterator[None]:
-        """One reply's prefill, in chunks; returns the forwards it ran."""
-        step, forwards = chunk or len(p.rendered), 0
+        """One reply's prefill, in chunks; returns the forwards it ran and their
+        seconds (not the time it gave way)."""
+        step, forwards, spent = chunk or len(p.rendered), 0, 0.0
         steps = self._owner.prefill_step
         for lo in range(p.position, len(p.rendered), step):
-            hi = min(lo + step, len(p.rendered))
+            hi, t = min(lo + step, len(p.rendered)), time.perf_counter()
             prefill(model, p.cache, p.rendered, lo, hi, steps)
-            forwards += -(-(hi - lo) // steps)
+            forwards, spent = forwards + -(-(hi - lo) // steps), spent + time.perf_counter() - t
             if hi < len(p.rendered):
                 yield  # a request that came meanwhile may go first (run_background's `until`)
-        return forwards
+        return forwards, spent
 
     @staticmethod
     def _merged(prefills: list[_Prefill]) -> list | None:
@@ -194,8 +194,9 @@ class ReplyStorer:
     def _together(self, model, batch: list, prefills: list[_Prefill], chunk: int | None) -> Iterator[None]:
         """Every reply's prefill in one batch (`batch`, their merged caches): the
         tails right padded to the longest and run in chunks, then each reply's
-        cache taken back out. Returns the forwards it ran."""
-        n = len(prefills)
+        cache taken back out. Returns the forwards it ran and their seconds (not
+        the time it gave way)."""
+        n, t = len(prefills), time.perf_counter()
         tails = [p.tail for p in prefills]
         lengths = [len(t) for t in tails]
         width = max(lengths)
@@ -205,13 +206,15 @@ class ReplyStorer:
                 c.prepare(lengths=lengths, right_padding=padding)
         inputs = mx.array([t + [0] * (width - len(t)) for t in tails])
         step = min(chunk or width, self._owner.prefill_step)
-        forwards = 0
+        forwards, spent = 0, 0.0
         for lo in range(0, width, step):
             model(inputs[:, lo : lo + step], cache=batch)
             mx.eval([c.state for c in batch])
             forwards += 1
             if lo + step < width:
+                spent += time.perf_counter() - t
                 yield
+                t = time.perf_counter()
         if max(padding) > 0:
             for c in batch:
                 c.finalize()
@@ -220,7 +223,7 @@ class ReplyStorer:
         mx.eval([c.state for p in prefills for c in p.cache])
         self._counts["reply_batches"] += 1
         self._counts["reply_batched"] += n
-        return forwards
+        return forwards, spent + time.perf_counter() - t
 
     # --- the store ---------------------------------------------------------------------
 
