@@ -101,13 +101,23 @@ def reference_server(name: str, s: Setup) -> Server:
     return server
 
 
+def _said_path(path: str) -> str:
+    """A path as a result file says it: relative to the repository where it lies
+    inside it (the results speak of the project, not of the machine)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return str(Path(path).resolve().relative_to(root))
+    except ValueError:
+        return path
+
+
 def vllm_missing(python: str | None, pythonpath: str) -> str | None:
     """Why vllm-mlx cannot run from `python`, or None when it imports."""
     if not python:
         return "no python given"
     found = python if os.path.sep in python else None
     if found and not Path(found).exists():
-        return f"{python} does not exist (make peers installs it)"
+        return f"{_said_path(found)} does not exist (make peers installs it)"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {"PYTHONPATH": pythonpath} if pythonpath else {}
     try:
