@@ -26,7 +26,7 @@ from ..store.model import weights_digest, weights_fingerprint
 from .insert_scheduler import InsertScheduler, InsertSettings, WaitingInsert
 from .pieces import Pieces
 from .replies import ChatTurn
-from .reply_inserts import ReplyJob, ReplyStorer
+from .reply_inserts import ReplyJob, ReplyStorer, kept_marks
 from .tenants import PUBLIC, InFlight, InFlightRequest, Tenant, TrackedPrompt
 
 log = logging.getLogger("promptstore.serve")
@@ -92,11 +92,6 @@ def _kept(owners) -> tuple:
         whole = None if len(owner.prompt) == longest else len(owner.prompt)
         out.extend((whole if end is None else end, r) for end, r in owner.retention)
     return tuple(out)
-
-
-def _marks(kept: tuple, n_tokens: int) -> tuple:
-    """`kept` as an insert of `n_tokens` takes it (a whole-request mark: all of them)."""
-    return tuple((n_tokens if end is None else end, r) for end, r in kept)
 
 
 @dataclass
@@ -345,7 +340,7 @@ class StoreCache:
         (_kept); turn: a chat request owns them (Space.insert)."""
         started = time.perf_counter()
         yield from ()  # no point where it gives way: one store call
-        stored, phases = space.insert(tokens[:usable], cache, retention=_marks(kept, usable), turn=turn), {}
+        stored, phases = space.insert(tokens[:usable], cache, retention=kept_marks(kept, usable), turn=turn), {}
         phases.update(space.last_insert_phases())  # the store's part, phase by phase
         phases["total"] = time.perf_counter() - started
         log.info(

@@ -63,7 +63,7 @@ class _Prefill:
         return self.rendered[self.position :]
 
 
-def _marks(kept: tuple, n_tokens: int) -> tuple:
+def kept_marks(kept: tuple, n_tokens: int) -> tuple:
     """`kept` as an insert of `n_tokens` takes it (a whole-request mark: all of them)."""
     return tuple((n_tokens if end is None else end, r) for end, r in kept)
 
@@ -140,7 +140,7 @@ class ReplyStorer:
         if len(rendered) >= 2 and space.restorable_length(rendered) == len(rendered):
             # Stored meanwhile (the next turn's prompt holds it): nothing to prefill.
             self._counts["reply_inserts_already_stored"] += 1
-            space.retain(rendered, _marks(job.kept, len(rendered)))
+            space.retain(rendered, kept_marks(job.kept, len(rendered)))
             job.phases["lookup"] = time.perf_counter() - t1
             self._said(job, len(rendered))
             return None
@@ -148,7 +148,7 @@ class ReplyStorer:
             # Everything the cache holds is where the next turn goes (the reply
             # round-trips; the template's end-of-turn tokens follow it): stored
             # as held, with no forward. The next turn prefills the rest.
-            job.stored = space.insert(tokens, cache, retention=_marks(job.kept, len(tokens)), turn=True)
+            job.stored = space.insert(tokens, cache, retention=kept_marks(job.kept, len(tokens)), turn=True)
             job.phases["store"] = time.perf_counter() - t1
             self._counts["reply_inserts_no_forward"] += 1
             log.info("reply stored without a forward: tokens=%d", len(tokens))
@@ -231,7 +231,7 @@ class ReplyStorer:
         job, t = p.job, time.perf_counter()
         try:
             job.stored = job.space.insert(
-                p.rendered, p.cache, prefill_seconds=seconds, retention=_marks(job.kept, len(p.rendered)), turn=True
+                p.rendered, p.cache, prefill_seconds=seconds, retention=kept_marks(job.kept, len(p.rendered)), turn=True
             )
         except Exception:
             log.exception("insert of %d tokens (reply) not stored", len(p.rendered))
