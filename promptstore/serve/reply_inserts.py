@@ -68,6 +68,22 @@ def kept_marks(kept: tuple, n_tokens: int) -> tuple:
     return tuple((n_tokens if end is None else end, r) for end, r in kept)
 
 
+def _even_tails(prefills: list[_Prefill]) -> int:
+    """Start every reply's prefill as far back as the longest one's tail, where
+    its cache can rewind there (plain KV layers): a batch of equal tails needs no
+    right padding, and so no roll of the whole cache back into place after it
+    (`finalize`; on CPU 120-190 ms for 8 replies on 3k-token caches). The tokens
+    run again are ones the cache held: what they compute is the same. A cache
+    that cannot rewind keeps its tail (the batch is padded then). Returns how
+    many replies were rewound."""
+    width, rewound = max(len(p.tail) for p in prefills), 0
+    for p in prefills:
+        start = len(p.rendered) - width
+        if 0 <= start < p.position and C.restore_prompt_cache(p.cache, None, start):
+            p.position, rewound = start, rewound + 1
+    return rewound
+
+
 def batchable(cache: list) -> bool:
     """Whether mlx-lm can batch these layers with others (a quantized KV cannot)."""
     return all(callable(getattr(type(c), "merge", None)) for c in cache)
@@ -99,7 +115,10 @@ class ReplyStorer:
         if not prefills:
             return
         model = self._owner.model
-        batch = self._merged(prefills) if len(prefills) > 1 and all(batchable(p.cache) for p in prefills) else None
+        batch = None
+        if len(prefills) > 1 and all(batchable(p.cache) for p in prefills):
+            self._counts["reply_tails_rewound"] += _even_tails(prefills)
+            batch = self._merged(prefills)
         if batch is not None:
             forwards, spent = yield from self._together(model, batch, prefills, chunk)
         else:

@@ -105,6 +105,10 @@ def test_replies_waiting_are_prefilled_in_one_batched_forward_and_restore_exactl
     assert not cache.inserts._background
     assert cache.counts["reply_batches"] == 1 and cache.counts["reply_batched"] == len(QUESTIONS)
     assert cache.counts["reply_forwards"] == 1  # every tail fits one prefill step
+    # Layers that rewind make the tails even (no right padding, no roll); recurrent
+    # layers cannot, and the batch is padded instead.
+    rewinds = cache.counts["reply_tails_rewound"]
+    assert rewinds == {"llama": len(QUESTIONS) - 1, "qwen3_next": 0}.get(family, rewinds), rewinds
     for _, rendered in finished:
         assert_restores_like_a_prefill(cache, rendered)
 
