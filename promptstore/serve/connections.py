@@ -257,6 +257,8 @@ class CappedServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         self.server_name, self.server_port = socket.getfqdn(host), port  # as HTTPServer.server_bind
         self._slots = threading.BoundedSemaphore(self.max_connections)
+        self._held: dict[int, _Slot] = {}  # a connection's slot, by its socket's id, until its thread takes it
+        self._held_lock = threading.Lock()
         self._refusals = _Refusals()
         message = (
             f"the server has {self.max_connections} connections open, the most it takes (--max-connections): "
@@ -273,16 +275,41 @@ class CappedServer(ThreadingHTTPServer):
         if not self._slots.acquire(blocking=False):
             self._refusals.refuse(request, self._refusal, self.max_connections)
             return
+        slot = _Slot(self._slots)
+        with self._held_lock:
+            self._held[id(request)] = slot
         try:
             super().process_request(request, client_address)  # starts the connection's thread
         except BaseException:
-            self._slots.release()
+            # A signal's KeyboardInterrupt can come while the thread starts: the
+            # thread may run all the same, and the slot is given back once, by
+            # whichever gets there first (given back twice, the semaphore raised
+            # a ValueError that hid the interrupt, and the server went on).
+            with self._held_lock:
+                self._held.pop(id(request), None)
+            slot.release()
             raise
 
     def process_request_thread(self, request, client_address) -> None:
+        with self._held_lock:
+            slot = self._held.pop(id(request), None)
         try:
             super().process_request_thread(request, client_address)
         finally:
+            if slot is not None:
+                slot.release()
+
+
+class _Slot:
+    """One connection's place under --max-connections, given back once."""
+
+    def __init__(self, slots: threading.BoundedSemaphore):
+        self._slots, self._lock, self._held = slots, threading.Lock(), True
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
             self._slots.release()
 
 

@@ -238,3 +238,36 @@ def test_a_body_sent_after_the_header_timeout_is_still_read(idle):
         sock.close()
     assert status_of(reply) == 200, reply[:300]
     assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_a_signal_while_a_connection_thread_starts_stops_the_server(monkeypatch):
+    """SIGTERM's KeyboardInterrupt can land while a connection's thread starts:
+    the interrupt reaches the serving loop (the server stops), and the slot is
+    given back once, whether the thread ran or not (given back twice, the
+    semaphore raised a ValueError that hid the interrupt: the server went on)."""
+    from http.server import BaseHTTPRequestHandler
+
+    from promptstore.serve.connections import capped_server
+
+    bound = socket.socket()
+    bound.bind(("127.0.0.1", 0))
+    server = capped_server(bound, max_connections=2, header_timeout=1.0)(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    start = threading.Thread.start
+
+    def start_then_interrupted(thread):
+        start(thread)  # the thread runs all the same, and here ends first
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        raise KeyboardInterrupt
+
+    try:
+        a, b = socket.socketpair()
+        b.close()  # the connection's thread reads nothing and ends
+        monkeypatch.setattr(threading.Thread, "start", start_then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            server.process_request(a, ("127.0.0.1", 1))
+        monkeypatch.undo()
+        assert server._slots.acquire(blocking=False) and server._slots.acquire(blocking=False)  # both slots free
+        assert not server._slots.acquire(blocking=False)
+    finally:
+        server.server_close()
