@@ -98,6 +98,7 @@ class ReplyStorer:
     def __init__(self, owner, counts: Counter):
         self._owner = owner  # the StoreCache: its model, tokenizer, pieces and prefill step, once attached
         self._counts = counts
+        self.even_tails = True  # rewind to even tails where caches can (off: padded, as a benchmark compares)
 
     def run(self, jobs: list[ReplyJob], chunk: int | None) -> Iterator[None]:
         """Store every job; yields every `chunk` tokens of the prefill (None: all
@@ -117,7 +118,8 @@ class ReplyStorer:
         model = self._owner.model
         batch = None
         if len(prefills) > 1 and all(batchable(p.cache) for p in prefills):
-            self._counts["reply_tails_rewound"] += _even_tails(prefills)
+            if self.even_tails:
+                self._counts["reply_tails_rewound"] += _even_tails(prefills)
             batch = self._merged(prefills)
         if batch is not None:
             forwards, spent = yield from self._together(model, batch, prefills, chunk)
