@@ -104,7 +104,7 @@ class Index:
 
         def put(txn, needed: bool) -> None:
             if needed:
-                txn.put(ns.key, spec.model_dump_json().encode(), db=self._dbs.namespaces)
+                txn.put(ns.key, spec.model_dump_json(exclude=spec.unset()).encode(), db=self._dbs.namespaces)
 
         stored = self._stored_spec(ns.key)
         if stored is None or not _same_spec(ns, stored):

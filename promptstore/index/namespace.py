@@ -121,6 +121,11 @@ class NamespaceSpec(BaseModel):
     tenant: str | None = Field(
         default=None, pattern=r"^[0-9a-f]{32}$", description="tenant_digest of the salt, never the salt"
     )
+    shard: str | None = Field(
+        default=None,
+        max_length=200,
+        description="a distributed group's rank: the part of the model's cache it holds (store/group.py)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -140,12 +145,18 @@ class NamespaceSpec(BaseModel):
 
     def canonical_json(self) -> bytes:
         """The encoding the fingerprint hashes: sorted keys, no whitespace."""
-        spec = self.model_dump(mode="json", exclude={"tenant"})
+        # A namespace of no group leaves `shard` out: its fingerprint is the one it had before groups.
+        spec = self.model_dump(mode="json", exclude={"tenant"} | self.unset())
         # The tenant sits where schema 1 put the salt, so that unsalted namespaces
         # (salt null then, tenant null now) keep their fingerprints and their nodes.
         spec["salt"] = self.tenant
         doc = {"v": _FINGERPRINT_VERSION, "spec": spec}
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def unset(self) -> set[str]:
+        """Fields newer than the stored format that this spec leaves unset: left out of
+        what is stored and hashed, so a spec without them reads and hashes as before."""
+        return {"shard"} if self.shard is None else set()
 
     def fingerprint(self) -> bytes:
         """xxh3-128 of the canonical JSON, 16 bytes."""

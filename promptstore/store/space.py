@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..index import Index, Namespace, NamespaceSpec, Node, prefix_key
 from ..snapshots.pool import ProcessPool
+from .group import Group
 from .hit import Hit
 from .insert import Inserter
 from .metrics import model_label
@@ -90,8 +91,10 @@ class Space:
         namespace: Namespace,
         cache_kwargs: dict,
         dtype: str,
+        group: Group | None = None,
     ):
         self.index, self.tiers, self.settings = index, tiers, settings
+        self.group = group  # a rank of a distributed group: fetches are agreed (group.py)
         self.model, self.namespace, self.dtype = model, namespace, dtype
         self.cache_kwargs = cache_kwargs
         self.last_hit: Hit | None = None  # the figures of the last counted fetch (no cache: see Hit.figures)
@@ -122,6 +125,7 @@ class Space:
         *,
         spans_weights: bool = False,
         fingerprint: str | None = None,
+        group: Group | None = None,
     ) -> Space:
         """Register `model`'s namespace in `index` and bind the model to it.
 
@@ -129,6 +133,7 @@ class Space:
         bound to it (the first bind's, or the last spans_weights bind's); a model of
         another fingerprint is refused (ModelIdentityError, nothing written) unless
         spans_weights. fingerprint: the model's, when the caller has it already.
+        group: this process's rank of a distributed group; the namespace names its shard.
         """
         kwargs = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "max_kv_size": max_kv_size}
         template = C.make_prompt_cache(model, **kwargs)
@@ -141,9 +146,10 @@ class Space:
             weights_digest=None if model_id else weights_digest(model),
             layers=[layer_spec(c, dtype) for c in template],
             tenant=None if salt is None else index.tenant_digest(salt, settings.tenant_key()),
+            shard=None if group is None else group.shard(model),
         )
         if not model_id:  # the full digest is the namespace's identity: other weights, another namespace
-            return cls(index, tiers, settings, model, index.register_namespace(spec), kwargs, dtype)
+            return cls(index, tiers, settings, model, index.register_namespace(spec), kwargs, dtype, group)
         weights = (fingerprint or weights_fingerprint(model)).encode()
         namespace = Namespace.of(spec)
         recorded = index.note(namespace, WEIGHTS_NOTE)
@@ -162,7 +168,7 @@ class Space:
                     model_id,
                 )
             index.set_note(namespace, WEIGHTS_NOTE, weights)
-        return cls(index, tiers, settings, model, namespace, kwargs, dtype)
+        return cls(index, tiers, settings, model, namespace, kwargs, dtype, group)
 
     def new_cache(self) -> list:
         """Empty per-layer caches of this namespace's layout."""
@@ -171,7 +177,8 @@ class Space:
     # --- fetch ------------------------------------------------------------------------
 
     def fetch(self, tokens, checkpoints: Sequence[int] = (), *, count: bool = True) -> Hit:
-        """The longest stored, restorable prefix of `tokens` (always leaving one token).
+        """The longest stored, restorable prefix of `tokens` (always leaving one token);
+        in a store of a distributed group, the longest every rank restores (group.py).
 
         checkpoints: positions the caller knows later prompts will share (the end
             of a system prompt, of a message), asked for in `hit.checkpoints` when
@@ -184,6 +191,23 @@ class Space:
             holds): left out of hits, misses, metrics and `last_hit`; the access
             order of the nodes it reads is still kept.
         """
+        if self.group is None:
+            return self._fetch(tokens, checkpoints, count=count)
+        toks = self._tokens(tokens)  # bad tokens raise on every rank alike, before any collective
+        hit, again = self.group.agreed(
+            lambda limit: self._fetch(toks, checkpoints, count=False, limit=limit),
+            lambda: Hit(0, self.new_cache(), ()),
+        )
+        if again:
+            self.tiers.count("group_restored_again", again)
+        if not count:
+            return hit
+        if not hit.length:
+            return self._counted(hit, len(toks), [], misses=1)
+        return self._counted(hit, len(toks), [], hits=1, tokens_served=hit.length)
+
+    def _fetch(self, tokens, checkpoints: Sequence[int] = (), *, count: bool = True, limit: int | None = None) -> Hit:
+        """fetch on this process's store alone; limit: restore at most that many tokens."""
         start = time.perf_counter()
         toks = self._tokens(tokens)
         wanted = self._wanted(checkpoints, len(toks))
@@ -195,12 +219,14 @@ class Space:
         for key in match.corrupt:
             self.tiers.report("record", key, "the index record failed its checksum; treated as missing")
         path = list(match.path[: match.restorable_depth + 1])
-        target = match.restorable
+        target = match.restorable if limit is None else min(match.restorable, limit)
         restored = self.restorer.restore_hit(cache, path, target, toks) if path else None
         length, used, cold = (restored.length, restored.used, restored.cold) if restored else (0, 0, ())
         computed = restored.computed if restored else 0
         nbytes = sum(_nbytes(n) for n in path[:used])
-        remote = self._fetch_remote(toks, length, [n for n in match.path if n.end <= match.matched])
+        remote = None
+        if limit is None:  # a limited fetch restores what this store has, to the limit
+            remote = self._fetch_remote(toks, length, [n for n in match.path if n.end <= match.matched])
         if remote is not None:
             (length, cache, nbytes, remote_tokens), used, cold, computed = remote, 0, (), 0  # replaces the local hit
         cold_tokens = sum(min(n.end, length) - n.start for n in cold if n.start < length)

@@ -24,6 +24,7 @@ from ..config import Settings
 from ..errors import StoreDirectoryError, StoreNotWritableError
 from ..index import Index
 from ..snapshots.remote import RemoteTier
+from .group import Group
 from .metrics import DiskFigures, Report, StoreMetrics, WarmStart
 from .retention import Retention
 from .space import Space
@@ -43,8 +44,8 @@ def default_path() -> Path:
 class PromptStore:
     """A persistent prompt-cache store in one directory (LMDB index plus files)."""
 
-    def __init__(self, path: Path, settings: Settings):
-        self.path, self.settings = path, settings
+    def __init__(self, path: Path, settings: Settings, group: Group | None = None):
+        self.path, self.settings, self.group = path, settings, group
         # Every open store holds the lock shared; maintenance that needs the
         # store idle takes it exclusively (tools/compact).
         self._lock = _lock_file(path)
@@ -61,15 +62,24 @@ class PromptStore:
             self.warm()
 
     @classmethod
-    def open(cls, path: str | os.PathLike | None = None, **settings: Any) -> PromptStore:
+    def open(
+        cls, path: str | os.PathLike | None = None, *, group: Group | None = None, **settings: Any
+    ) -> PromptStore:
         """Open (creating it private) the store at `path` (default: `default_path()`).
 
+        group: this process's rank of a distributed group (`Group.of(...)`, under
+            mlx.launch): the rank's own store under `path` (store/group.py), whose
+            fetches every rank of the group agrees on.
         settings: fields of `promptstore.config.Settings`, over PROMPTSTORE_* variables.
         """
         config = Settings.from_env(**settings)
         root = Path(path) if path is not None else default_path()
+        if group is not None:
+            root, config = group.folder(root), group.settings(config)
+            for folder in reversed(root.parents[:3]):  # ranks/, ranks/<shape>/: private like the root
+                _prepare(folder, config.dir_mode)
         _prepare(root, config.dir_mode)
-        return cls(root, config)
+        return cls(root, config, group)
 
     def bind(
         self,
@@ -105,6 +115,7 @@ class PromptStore:
             salt=salt,
             spans_weights=spans_weights,
             fingerprint=fingerprint,
+            group=self.group,
             **cache_kwargs,
         )
         self.spaces.append(space)

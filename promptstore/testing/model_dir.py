@@ -60,7 +60,11 @@ def write_model_dir(
     if replies != "random":
         config["promptstore_replies"] = replies
     (path / "config.json").write_text(json.dumps(config, indent=1))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    # The index a sharded load (mlx-lm's sharded_load, pipeline parallel) reads to pick each rank's files.
+    index = {"metadata": {}, "weight_map": dict.fromkeys(sorted(weights), "model.safetensors")}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     tokenizer.save_pretrained(str(path))
     return path
 

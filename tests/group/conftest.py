@@ -1,0 +1,95 @@
+"""Distributed groups on this machine: mlx.launch's ring backend, its ranks on
+loopback ports, each a process of its own (tests/group/_rank.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from promptstore.testing.model_dir import write_model_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+RANK = Path(__file__).with_name("_rank.py")
+LAUNCH_SECONDS = 180  # a group of tiny models plays its turns in seconds; a hang ends here
+
+
+def _free_ports(n: int) -> int:
+    """A first port of `n` consecutive free loopback ports (the ring backend
+    listens on the first + rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + n >= 65536:
+            continue
+        try:
+            held = []
+            for port in range(first, first + n):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+        return first
+    raise RuntimeError("no run of free loopback ports")
+
+
+def launch(tmp: Path, model: Path, store: Path, steps: list, *, kind: str = "tensor", ranks: int = 2) -> list[dict]:
+    """Play `steps` on a group of `ranks` processes; what each rank saw, by rank."""
+    out = Path(tmp) / f"out-{len(list(Path(tmp).glob('out-*')))}"
+    out.mkdir()
+    steps_file = out / "steps.json"
+    steps_file.write_text(json.dumps(steps))
+    if ranks == 1:  # a process of no group: the worker alone, as a one-machine server runs
+        cmd = [sys.executable, str(RANK), "--model", str(model), "--store", str(store), "--kind", kind]
+        cmd += ["--steps", str(steps_file), "--out", str(out)]
+        return _run(cmd, out, ranks)
+    first = _free_ports(ranks)
+    cmd = [
+        *(sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"),
+        *("--backend", "ring", "-n", str(ranks), "--starting-port", str(first), "--python", sys.executable),
+        *(str(RANK), "--model", str(model), "--store", str(store), "--kind", kind),
+        *("--steps", str(steps_file), "--out", str(out)),
+    ]
+    return _run(cmd, out, ranks)
+
+
+def _run(cmd: list[str], out: Path, ranks: int) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the group did not finish in {LAUNCH_SECONDS} s:\n{output.decode(errors='replace')[-4000:]}")
+    seen = [out / f"rank-{r}.json" for r in range(ranks)]
+    if proc.returncode != 0 or not all(f.exists() for f in seen):
+        pytest.fail(f"the group failed (exit {proc.returncode}):\n{output.decode(errors='replace')[-4000:]}")
+    return [json.loads(f.read_text()) for f in seen]
+
+
+@pytest.fixture(scope="session")
+def group_model(tmp_path_factory):
+    """group_model(family, **overrides) -> a model folder (float32, random weights), made once."""
+    made: dict = {}
+
+    def make(family: str = "llama", **overrides):
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in made:
+            made[key] = write_model_dir(tmp_path_factory.mktemp(f"group-{family}"), family, **overrides)
+        return made[key]
+
+    return make
