@@ -233,8 +233,13 @@ def _namespace_arguments(p: argparse.ArgumentParser) -> None:
 
 def _stats(args) -> int:
     from .store import default_path
+    from .store.group import rank_stores
 
-    root = existing_store(args.store or default_path())
+    path = Path(args.store or default_path())
+    ranks = [] if (path / "index").exists() else rank_stores(path)
+    if ranks:  # a distributed group's folder: each rank's store, in turn
+        return _group_stats(path, ranks, args)
+    root = existing_store(path)
     if args.salt_file and not (args.model or args.namespace):
         raise SettingsError("--salt-file needs --model or --namespace: the salt selects one namespace")
     if args.model or args.namespace:
@@ -245,6 +250,22 @@ def _stats(args) -> int:
         print(json.dumps(figures, indent=2))
     else:
         _print_figures(figures)
+    return 0
+
+
+def _group_stats(path: Path, ranks: list[Path], args) -> int:
+    """stats of a distributed group's folder: each rank's store's totals."""
+    if args.model or args.namespace:
+        raise SettingsError(
+            f"{path} holds the stores of a distributed group's ranks: give one rank's folder "
+            f"({ranks[0]}) with --model or --namespace"
+        )
+    figures = [_store_totals(rank) for rank in ranks]
+    if args.json:
+        print(json.dumps({"store": str(path), "ranks": figures}, indent=2))
+    else:
+        for one in figures:
+            _print_figures(one)
     return 0
 
 

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -108,11 +109,20 @@ def command(args: argparse.Namespace, prog: str) -> int:
 
 def execute(args: argparse.Namespace) -> int:
     """Compact the store `args` name and print the report; returns the exit status."""
-    from .config import Settings
     from .store import default_path
+    from .store.group import rank_stores
+
+    path = Path(args.store or default_path())  # compact refuses a path where no store lives
+    ranks = [] if (path / "index").exists() else rank_stores(path)
+    if ranks:  # a distributed group's folder: each rank's store, in turn; the worst status
+        return max(_compact_one(rank, args, len(ranks)) for rank in ranks)
+    return _compact_one(path, args)
+
+
+def _compact_one(path: Path, args: argparse.Namespace, of: int = 1) -> int:
+    from .config import Settings
     from .store.compact import compact
 
-    path = args.store or default_path()  # compact refuses a path where no store lives
     budget = args.max_bytes if args.max_bytes is not None else Settings.from_env().disk_bytes
     with Progress().task("compacting", unit="items") as task:
 
@@ -129,8 +139,14 @@ def execute(args: argparse.Namespace) -> int:
             tick=tick,
         )
     if args.json:
-        print(json.dumps({"status": report.status, **asdict(report)}, indent=2))
+        print(
+            json.dumps(
+                {"status": report.status, **({"store": str(path)} if of > 1 else {}), **asdict(report)}, indent=2
+            )
+        )
     else:
+        if of > 1:  # one of a group's ranks' stores
+            Console().print(f"store {path}", highlight=False, soft_wrap=True)
         _print(Console(), report)
     return EXIT[report.status]
 

@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..errors import PromptStoreError
+from ..store.group import GroupLost
+
 log = logging.getLogger("promptstore.serve")
 
 FINISHED_LIMIT = 32  # finished requests' inserts that may wait, unless the server says its batch's size
@@ -61,6 +64,10 @@ class InsertSettings:
         other users' requests 6 ms after the first user's reply, and on CPU they
         waited 10-18 ms behind the first chunk of its insert, begun at once. Its
         next turn, or a close, runs it whatever the grace.
+    in_group: a rank of a distributed group: an insert that fails outside the
+        store (its forward: a collective whose peer is gone) fails the generation
+        loop, and the group stops; going on, the rank would wait in its next
+        collective for ever, and its store could not close (the stream is held).
     reply_batch: at most this many chat replies waiting are prefilled together,
         in one batched forward per chunk (1: one after another). On an H200 a
         reply's prefill alone took 23-70 ms, and 8 of them one after another
@@ -73,6 +80,7 @@ class InsertSettings:
     reply_chunk: int | None = None
     reply_grace: float = 0.0
     reply_batch: int = 1
+    in_group: bool = False
 
     @classmethod
     def for_server(cls, *, batch: int, replies_before_fetch: bool, reply_batch: int | None = None) -> InsertSettings:
@@ -87,8 +95,10 @@ class InsertSettings:
         25-42 ms a reply alone, and one at a time gives way to a request
         between replies (docs/serve.md, "Storing the replies of a round")."""
         on_cpu = mx.default_device() == mx.cpu
+        in_group = mx.distributed.init().size() > 1
         return cls(
-            finished_at_once=mx.distributed.init().size() > 1,
+            finished_at_once=in_group,
+            in_group=in_group,
             finished_limit=max(1, batch),
             replies_before_fetch=replies_before_fetch,
             reply_chunk=REPLY_CHUNK_CPU if on_cpu else None,
@@ -275,6 +285,8 @@ class InsertScheduler:
                     if until is not None and until():
                         return None
             return True
-        except Exception:
+        except Exception as e:
+            if self.settings.in_group and not isinstance(e, PromptStoreError):
+                raise GroupLost(f"an insert's forward failed: {type(e).__name__}: {e}") from e
             log.exception("insert of %d tokens (%s) not stored", item.n_tokens, item.cache_type)
             return False

@@ -22,6 +22,8 @@ from queue import Queue
 from typing import TYPE_CHECKING
 
 from ..errors import GenerationFailed, PromptStoreError
+from ..store.group import GroupLost
+from . import shutdown
 from .arrivals import ArrivalBudget, Arrivals
 from .cache import StoreCache, split_segments
 from .checks import Rendered
@@ -62,6 +64,7 @@ class StoreResponseGenerator(ResponseGenerator):
     def __init__(self, provider: StoreModelProvider, cache: StoreCache, keyring: KeyRing):
         # Set before super().__init__, which starts the generation thread.
         self.store_cache, self.inserts, self.keyring = cache, cache.inserts, keyring
+        self.group = cache.store.group  # a rank of a distributed group: rank 0 decides, every rank does
         args = provider.cli_args
         self.arrivals = Arrivals(bound=args.arrival_wait)
         self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
@@ -98,7 +101,7 @@ class StoreResponseGenerator(ResponseGenerator):
             try:
                 self.run_loop()
                 return
-            except Exception as e:
+            except (Exception, GroupLost) as e:
                 if not self.model_provider.ready and self._closing is None:
                     self._failed_at_load(e)
                     return
@@ -106,13 +109,18 @@ class StoreResponseGenerator(ResponseGenerator):
                 failed = self._fail_replies(e)
                 now = time.monotonic()
                 self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
-                if len(self.restarts) > RESTARTS or self._closing is not None:
+                # A rank of a group does not start its loop again alone: the others would
+                # wait for it in a collective. The group stops (mlx.launch stops the others).
+                if len(self.restarts) > RESTARTS or self._closing is not None or self.group is not None:
                     self.gave_up = f"{type(e).__name__}: {e}"
                     self.mark_failed()
                     if self._closing is None:
-                        log.error(
-                            "generation failed %d times in %.0f s: the server exits", RESTARTS + 1, RESTART_WINDOW_S
-                        )
+                        if self.group is not None:
+                            log.error("generation failed on rank %d of a group: the group stops", self.group.rank)
+                        else:
+                            log.error(
+                                "generation failed %d times in %.0f s: the server exits", RESTARTS + 1, RESTART_WINDOW_S
+                            )
                         self.exit_for_supervisor()
                     return
                 log.warning("generation started again (%d requests in flight failed with it)", failed)
@@ -132,7 +140,10 @@ class StoreResponseGenerator(ResponseGenerator):
 
     def exit_for_supervisor(self) -> None:
         """Stop serving, as SIGTERM does: main() closes the store and exits non-zero."""
-        os.kill(os.getpid(), signal.SIGTERM)
+        if shutdown.installed is not None:
+            shutdown.installed.stop_serving()
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def _fail_replies(self, error: Exception) -> int:
         """Fail every request whose reply is still coming: nothing more would come."""
@@ -184,6 +195,12 @@ class StoreResponseGenerator(ResponseGenerator):
         warming = self.store_cache.store.warming
         if warming is not None:
             warming.stop(timeout=0)  # a model waiting for it (--warm-start-first) waits no more
+        if self.group is not None and not self.join_for(self.cli_args.shutdown_timeout / 2):
+            # In a collective with a rank that is gone (SIGKILL, a lost machine): it
+            # never returns. The store is closed without it; its batch is lost.
+            log.error("the generation thread waits for a rank that is gone: the store closes without it")
+            self.closed_inserts = (0, self.inserts.waiting())
+            return
         self.join()
         if self.closed_inserts is None:  # the loop had stopped already: nothing ran what waits
             self.closed_inserts = (0, self.inserts.waiting())
@@ -201,7 +218,10 @@ class StoreResponseGenerator(ResponseGenerator):
                 break
             replies.put(GenerationFailed("the server is shutting down", 503))
         drain_s = self.cli_args.shutdown_timeout / 2
-        if self.in_flight() and time.monotonic() - self._closing < drain_s:
+        draining = bool(self.in_flight()) and time.monotonic() - self._closing < drain_s
+        if self.group is not None:
+            draining = self.group.share(draining)  # rank 0 holds the replies in flight
+        if draining:
             return False
         if self.in_flight():
             log.warning(
@@ -234,6 +254,8 @@ class StoreResponseGenerator(ResponseGenerator):
             inserts.run_background(1, until=self._request_waiting)
 
     def next_request(self, timeout=None):
+        if self.group is not None:
+            return self._next_in_group(timeout)
         if self._closing is not None:
             self._close_here()
             if timeout is not None:
@@ -250,6 +272,24 @@ class StoreResponseGenerator(ResponseGenerator):
                 return self.take_request(min(timeout, wait))
             inserts.run_background(1, until=self._request_waiting)
             return None
+        return self.take_request(timeout)
+
+    def _next_in_group(self, timeout):
+        """next_request on a rank of a group: every rank takes the same path (each
+        choice a collective). A signal to any rank closes the whole group, rank 0
+        (which holds the replies in flight) saying when; a finished request's
+        insert runs as it is handed over (InsertSettings)."""
+        if self.group.any(self._closing is not None):
+            if self._closing is None:
+                self._closing = time.monotonic()
+                log.info("another rank of the group stops: this one closes with it")
+                if self.group.rank == 0 and shutdown.installed is not None:
+                    shutdown.installed.stop_serving()  # the HTTP server stops too
+            self._close_here()
+            if timeout is not None:
+                time.sleep(min(timeout, 0.01))
+            return None
+        self.inserts.run_deferred()
         return self.take_request(timeout)
 
     def _request_waiting(self) -> bool:
@@ -278,6 +318,8 @@ class StoreResponseGenerator(ResponseGenerator):
         body: dict = {"status": "ok", "model_loaded": provider.model is not None}
         now = time.monotonic()
         body["generation_restarts"] = len([t for t in self.restarts if now - t < RESTART_WINDOW_S])
+        if self.group is not None:
+            body["group"] = {"parallel": self.group.kind, "ranks": self.group.size}
         if self.gave_up is not None:
             return 503, body | {"status": "unavailable", "error": self.gave_up, "exiting": True}
         if not self.generation_available():

@@ -203,6 +203,13 @@ class ResponseGenerator(_server.ResponseGenerator):
         """mlx-lm's generation loop on this thread, until it stops (stop_loop) or raises."""
         self._generate()  # Private: the loop itself, which only _run_generate runs
 
+    def join_for(self, seconds: float) -> bool:
+        """Wait at most `seconds` for the generation thread to end; whether it did."""
+        # Private: join() waits without a bound, and the thread is mlx-lm's.
+        thread = self._generation_thread
+        thread.join(seconds)
+        return not thread.is_alive()
+
     def mark_failed(self) -> None:
         """Generation is over for good: generation_available() says so from now on."""
         self._generation_failed = True  # Private: the flag generation_available() reads

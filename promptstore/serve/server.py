@@ -26,7 +26,7 @@ from .mlx_lm_server import maybe_set_recommended_wired_limit, serve_http
 from .options import build_parser, store_settings
 from .provider import StoreModelProvider
 from .shutdown import Shutdown, closing_line, exit_now
-from .startup import listening_socket, refuse_a_group
+from .startup import listening_socket, serve_group
 from .tenants import KeyRing, load_api_keys
 
 log = logging.getLogger("promptstore.serve")
@@ -88,11 +88,11 @@ def main(argv=None) -> int:
             keyring = KeyRing(load_api_keys(args.api_keys) if args.api_keys else None)
             args.metrics_key = load_metrics_key(args.metrics_key_file, keyring) if args.metrics_key_file else None
             args.known_prompts = load_known_prompts(args.warm_prompts) if args.warm_prompts else None
-            refuse_a_group()
+            group = serve_group(args.pipeline)
             # Bound before the store opens and the model loads: a port in use ends the start at once.
             args.listener = listening_socket(args.host, args.port)
             with shutdown.signals_postponed():  # a signal meanwhile comes once `store` can be closed
-                store = PromptStore.open(args.store, **store_settings(args))
+                store = PromptStore.open(args.store, group=group, **store_settings(args))
         except PromptStoreError as e:
             if args.debug:
                 raise

@@ -17,6 +17,9 @@ RESIGNAL_SECONDS = 0.01  # a signal that lands inside logging is delivered again
 RESIGNAL_TIMES = 100  # at most this many times in a row (a write to a full pipe can keep logging busy for ever)
 
 
+installed: Shutdown | None = None  # the process's, once main() installed it
+
+
 class Shutdown:
     """SIGTERM and SIGINT stop serving (as Ctrl-C does in mlx_lm.server); a
     second signal, or `timeout` seconds without finishing, exits at once.
@@ -37,6 +40,14 @@ class Shutdown:
     def __init__(self, timeout: float):
         self.timeout, self.started, self.redelivered = timeout, False, 0
         self.postponing = self.pending = False
+        self.own = False  # the server stops on its own (stop_serving): the next signal is not a second
+
+    def stop_serving(self) -> None:
+        """Stop serving from within (generation failed for good), as a signal does.
+        A signal that comes meanwhile, as mlx.launch sends the other ranks of a
+        group one of whose processes exited non-zero, is taken as the first."""
+        self.own = True
+        os.kill(os.getpid(), signal.SIGTERM)
 
     @contextlib.contextmanager
     def signals_postponed(self):
@@ -51,10 +62,16 @@ class Shutdown:
             raise KeyboardInterrupt
 
     def install(self) -> None:
+        global installed
+        installed = self
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame):
+        if self.started and self.own:
+            self.own = False
+            log.warning("a signal while the server stops on its own: closing the store goes on")
+            return
         if self.started:
             log.warning("second signal: exiting without closing the store")
             os._exit(1)

@@ -6,11 +6,16 @@ which serve calls before the model loads too."""
 from __future__ import annotations
 
 import errno
+import logging
+import os
 import socket
 
 import mlx.core as mx
 
 from ..errors import ServeConfigError
+from ..store.group import Group
+
+log = logging.getLogger("promptstore.serve")
 
 # What to do about the errors bind() meets most.
 HINTS = {
@@ -20,17 +25,17 @@ HINTS = {
 }
 
 
-def refuse_a_group() -> None:
-    """Refuse a sharded start (mlx.launch, more than one rank): the store does not
-    yet keep each rank's shard of a model's cache, and what ranks restored from
-    one store folder is not the state a prefill computes. One line, on each rank."""
-    size = mx.distributed.init().size()
-    if size > 1:
-        raise ServeConfigError(
-            f"this is one of {size} ranks of a distributed group (mlx.launch): promptstore serve does not "
-            "keep a sharded model's cache yet, and would restore states a prefill does not compute; "
-            "serve the model from one process, or run mlx_lm.server sharded without the store"
-        )
+def serve_group(pipeline: bool) -> Group | None:
+    """This process's rank of a distributed group (mlx.launch starts one process
+    per rank; mlx-lm's provider loads each its shard of the model, tensor parallel
+    unless `pipeline`), or None alone. Each rank keeps its own store under --store
+    (store/group.py); rank 0 answers HTTP, and every rank runs each request."""
+    group = Group.of(mx.distributed.init(), "pipeline" if pipeline else "tensor")
+    if group is not None:
+        for handler in logging.getLogger().handlers:  # every rank's lines go to one launcher's output
+            handler.setFormatter(logging.Formatter(f"%(asctime)s - rank {group.rank} - %(levelname)s - %(message)s"))
+        log.info("group: rank %d of %d (%s parallel), process %d", group.rank, group.size, group.kind, os.getpid())
+    return group
 
 
 def listening_socket(host: str, port: int) -> socket.socket | None:

@@ -40,6 +40,13 @@ KINDS = ("tensor", "pipeline")
 AGREE_ROUNDS = 4
 
 
+class GroupLost(BaseException):
+    """A collective of the group failed: a rank is gone (killed, its machine lost).
+    Not an Exception, so that no `except Exception` on the way (mlx-lm's loop
+    fails one request at such a one and goes on) keeps a rank going: its next
+    collective would wait for ever."""
+
+
 @dataclass(frozen=True)
 class Group:
     """One rank's place in a distributed group: `kind` of parallelism, `size`
@@ -94,15 +101,29 @@ class Group:
 
     def span(self, value: int) -> tuple[int, int]:
         """The smallest and largest of every rank's `value`."""
-        every = np.array(mx.distributed.all_gather(mx.array([int(value)], dtype=mx.int64), group=self.handle))
+        try:
+            every = np.array(mx.distributed.all_gather(mx.array([int(value)], dtype=mx.int64), group=self.handle))
+        except RuntimeError as e:
+            raise GroupLost(f"rank {self.rank}: {e}") from e
         return int(every.min()), int(every.max())
+
+    def any(self, flag: bool) -> bool:
+        """Whether any rank's `flag` is set."""
+        return self.span(int(bool(flag)))[1] == 1
 
     def share(self, obj: Any) -> Any:
         """Rank 0's `obj`, on every rank (pickled; small objects only)."""
         data = pickle.dumps(obj) if self.rank == 0 else b""
-        size = int(mx.distributed.all_sum(mx.array(len(data)), group=self.handle).item())
-        buffer = mx.array(np.frombuffer(data, dtype=np.uint8)) if self.rank == 0 else mx.zeros(size, dtype=mx.uint8)
-        return pickle.loads(bytes(np.array(mx.distributed.all_sum(buffer, group=self.handle))))
+        try:
+            size = int(mx.distributed.all_sum(mx.array(len(data)), group=self.handle).item())
+            if self.rank == 0:
+                buffer = mx.array(np.frombuffer(data, dtype=np.uint8))
+            else:
+                buffer = mx.zeros(size, dtype=mx.uint8)
+            shared = bytes(np.array(mx.distributed.all_sum(buffer, group=self.handle)))
+        except RuntimeError as e:
+            raise GroupLost(f"rank {self.rank}: {e}") from e
+        return pickle.loads(shared)
 
     def agreed(self, local: Callable[[int | None], Hit], empty: Callable[[], Hit]) -> tuple[Hit, int]:
         """The hit every rank restores, and how many times this rank restored again.
@@ -132,3 +153,11 @@ class Group:
         except Exception as e:  # noqa: BLE001 - any failure: this rank restores nothing
             log.error("group: rank %d could not fetch (%s: %s); it restores nothing", self.rank, type(e).__name__, e)
             return empty()
+
+
+def rank_stores(root: Path) -> list[Path]:
+    """The ranks' stores under a group's `root` (`ranks/<shape>/rank-<r>`, every
+    shape a group ran there), in order; none where no group ran. Operator tools
+    (stats, compact) take each as a store of its own."""
+    found = [p for p in Path(root).glob("ranks/*/rank-*") if (p / "index" / "data.mdb").is_file()]
+    return sorted(found, key=lambda p: (p.parent.name, len(p.name), p.name))

@@ -258,9 +258,11 @@ class Space:
 
     def restorable_length(self, tokens) -> int:
         """How many leading tokens of `tokens` this namespace could restore (every
-        layer), from the index alone: nothing is read, restored or counted."""
+        layer), from the index alone: nothing is read, restored or counted. In a
+        group's store, the fewest any rank could (a collective, as fetch is)."""
         toks = self._tokens(tokens)
-        return self.index.lookup(self.namespace, toks).restorable if len(toks) else 0
+        length = self.index.lookup(self.namespace, toks).restorable if len(toks) else 0
+        return length if self.group is None else self.group.span(length)[0]
 
     def _counted(self, hit: Hit, prompt_tokens: int, nodes, **counts) -> Hit:
         """`hit` as this namespace's last, counted in its stats and the store's metrics."""

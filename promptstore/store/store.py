@@ -62,9 +62,7 @@ class PromptStore:
             self.warm()
 
     @classmethod
-    def open(
-        cls, path: str | os.PathLike | None = None, *, group: Group | None = None, **settings: Any
-    ) -> PromptStore:
+    def open(cls, path: str | os.PathLike | None = None, *, group: Group | None = None, **settings: Any) -> PromptStore:
         """Open (creating it private) the store at `path` (default: `default_path()`).
 
         group: this process's rank of a distributed group (`Group.of(...)`, under

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -66,19 +67,35 @@ def launch(tmp: Path, model: Path, store: Path, steps: list, *, kind: str = "ten
 
 def _run(cmd: list[str], out: Path, ranks: int) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the group did not finish in {LAUNCH_SECONDS} s:\n{output.decode(errors='replace')[-4000:]}")
+    log = out / "output.log"
+    with open(log, "wb") as sink, quiet_stdin() as stdin:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True, stdin=stdin, stdout=sink, stderr=sink)
+        try:
+            proc.wait(timeout=LAUNCH_SECONDS)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"the group did not finish in {LAUNCH_SECONDS} s:\n{_tail(log)}")
     seen = [out / f"rank-{r}.json" for r in range(ranks)]
     if proc.returncode != 0 or not all(f.exists() for f in seen):
-        pytest.fail(f"the group failed (exit {proc.returncode}):\n{output.decode(errors='replace')[-4000:]}")
+        pytest.fail(f"the group failed (exit {proc.returncode}):\n{_tail(log)}")
     return [json.loads(f.read_text()) for f in seen]
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-4000:]
+
+
+@contextmanager
+def quiet_stdin():
+    """A stdin for mlx.launch that never has input nor ends: its loop select()s on its
+    stdin every 0.1 s, and on a closed one (at EOF at once) it spins a core."""
+    read, write = os.pipe()
+    try:
+        yield read
+    finally:
+        os.close(read)
+        os.close(write)
 
 
 @pytest.fixture(scope="session")

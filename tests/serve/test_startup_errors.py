@@ -199,23 +199,22 @@ def test_a_port_in_use_is_refused_before_the_store_opens(model_dir, tmp_path):
 # --- a sharded start -----------------------------------------------------------------------------
 
 
-def test_a_sharded_start_is_refused_before_the_store_opens(model_dir, tmp_path):
-    """Under mlx.launch (two ranks of the ring backend, on this machine) a rank says
-    it in one line and exits 2, before any store opens: the store does not keep a
-    sharded model's cache yet, and serving would restore states a prefill does not
-    compute."""
+def test_a_sharded_start_with_a_remote_tier_is_refused_before_the_store_opens(model_dir, tmp_path):
+    """Under mlx.launch (two ranks of the ring backend, on this machine) a store of
+    the group's shards has no remote tier yet: each rank says so in one line and
+    exits 2, before its store opens."""
     launcher = Path(sys.executable).with_name("mlx.launch")
     if not launcher.exists():
         pytest.skip("mlx.launch is not installed beside this Python")
     cmd = [str(launcher), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()), "--"]
     cmd += [sys.executable, "-m", "promptstore", "serve", "--model", str(model_dir()), "--store", str(tmp_path / "s")]
-    cmd += ["--host", "127.0.0.1", "--port", str(free_port())]
+    cmd += ["--host", "127.0.0.1", "--port", str(free_port()), "--remote-url", "redis://127.0.0.1:1"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=EXIT_S)
     # mlx.launch exits 0 whatever its ranks did: it says how each ended (the first to
     # exit with 2, the other stopped by the launcher then).
     assert "exited with code 2" in done.stdout, done.stdout
     said = [line for line in done.stdout.splitlines() if "promptstore serve: error: " in line]
-    assert said and all("one of 2 ranks" in line for line in said), done.stdout  # the other rank may be stopped first
+    assert said and all("no remote tier yet" in line for line in said), done.stdout
     assert "Traceback" not in done.stdout
-    assert not (tmp_path / "s").exists()
+    assert not (tmp_path / "s" / "ranks").exists()
