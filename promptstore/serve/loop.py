@@ -22,7 +22,7 @@ from queue import Queue
 from typing import TYPE_CHECKING
 
 from ..errors import GenerationFailed, PromptStoreError
-from ..store.group import GroupLost
+from ..store.group import Group, GroupLost
 from . import shutdown
 from .arrivals import ArrivalBudget, Arrivals
 from .cache import StoreCache, split_segments
@@ -61,10 +61,12 @@ class Replies(Queue):
 class StoreResponseGenerator(ResponseGenerator):
     """mlx-lm's generation loop over a StoreCache (see the module's docstring)."""
 
+    group: Group | None = None  # a rank of a distributed group: rank 0 decides, every rank does
+
     def __init__(self, provider: StoreModelProvider, cache: StoreCache, keyring: KeyRing):
         # Set before super().__init__, which starts the generation thread.
         self.store_cache, self.inserts, self.keyring = cache, cache.inserts, keyring
-        self.group = cache.store.group  # a rank of a distributed group: rank 0 decides, every rank does
+        self.group = cache.store.group
         args = provider.cli_args
         self.arrivals = Arrivals(bound=args.arrival_wait)
         self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
