@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import threading
 import tomllib
 import types
 from collections.abc import Callable
@@ -166,6 +167,10 @@ class ResponseGenerator(_server.ResponseGenerator):
     """mlx-lm's generation loop, its private points as named hooks: subclasses
     override step_budget, generation_thread, next_request and tokenize."""
 
+    def __init__(self, *args, **kwargs):
+        self.loop_ended = threading.Event()  # set as the generation thread ends (its __init__ starts it)
+        super().__init__(*args, **kwargs)
+
     def step_budget(self, budget):
         """The iterable a run of batch steps goes through (mlx-lm's TimeBudget, given)."""
         return budget
@@ -197,18 +202,20 @@ class ResponseGenerator(_server.ResponseGenerator):
         # Private: the generation thread's target. mlx-lm's runs the loop once
         # and, when it raises, marks generation failed for good; the subclass
         # decides instead (it starts the loop again).
-        self.generation_thread()
+        try:
+            self.generation_thread()
+        finally:
+            self.loop_ended.set()
 
     def run_loop(self) -> None:
         """mlx-lm's generation loop on this thread, until it stops (stop_loop) or raises."""
         self._generate()  # Private: the loop itself, which only _run_generate runs
 
     def join_for(self, seconds: float) -> bool:
-        """Wait at most `seconds` for the generation thread to end; whether it did."""
-        # Private: join() waits without a bound, and the thread is mlx-lm's.
-        thread = self._generation_thread
-        thread.join(seconds)
-        return not thread.is_alive()
+        """Wait at most `seconds` for the generation thread to end; whether it did.
+        A signal may interrupt it and it can be called again: a Thread.join() a
+        KeyboardInterrupt cut short can take the thread for ended while it runs."""
+        return self.loop_ended.wait(seconds)
 
     def mark_failed(self) -> None:
         """Generation is over for good: generation_available() says so from now on."""

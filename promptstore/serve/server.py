@@ -58,8 +58,9 @@ def run(args, cache: StoreCache, keyring: KeyRing) -> StoreResponseGenerator:
             listener = getattr(args, "listener", None) or listening_socket(args.host, args.port)  # main() binds it
             server = capped_server(listener, args.max_connections, args.header_timeout)
             serve_http(args.host, args.port, generator, server_class=server, handler_class=StoreHandler)
-        else:
-            generator.join()
+        else:  # no HTTP here: wait for the loop, where a signal may land and leave nothing amiss
+            while not generator.join_for(1.0):
+                pass
     except KeyboardInterrupt:
         pass
     finally:
