@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("promptstore.serve")
 
 RESTARTS = 5  # the generation loop is started again after a failure, at most this many times
-RESTART_WINDOW_S = 60.0  # within this long; one failure more and the server exits non-zero
+RESTART_WINDOW_S = 60.0
+RANK_METRICS_S = 5.0  # in a group, every rank's store figures reach rank 0's /metrics this often  # within this long; one failure more and the server exits non-zero
 
 
 class Replies(Queue):
@@ -62,6 +63,7 @@ class StoreResponseGenerator(ResponseGenerator):
     """mlx-lm's generation loop over a StoreCache (see the module's docstring)."""
 
     group: Group | None = None  # a rank of a distributed group: rank 0 decides, every rank does
+    _gathered = 0.0  # in a group, when the ranks' store figures were last gathered (monotonic)
 
     def __init__(self, provider: StoreModelProvider, cache: StoreCache, keyring: KeyRing):
         # Set before super().__init__, which starts the generation thread.
@@ -83,6 +85,10 @@ class StoreResponseGenerator(ResponseGenerator):
         super().__init__(provider, cache)
         # Spills, and the pieces check, pause while a request waits for its first token.
         provider.busy = lambda: not self._quiet()
+        if self.group is not None and self.group.rank != 0:
+            # Its requests come from rank 0, whose HTTP threads mark their first
+            # tokens: none are marked here, and spills would wait for ever.
+            provider.busy = lambda: False
         cache.store.give_way(provider.busy)
 
     def step_budget(self, budget):
@@ -281,7 +287,14 @@ class StoreResponseGenerator(ResponseGenerator):
         choice a collective). A signal to any rank closes the whole group, rank 0
         (which holds the replies in flight) saying when; a finished request's
         insert runs as it is handed over (InsertSettings)."""
-        if self.group.any(self._closing is not None):
+        due = time.monotonic() - self._gathered >= RANK_METRICS_S
+        closing, gather = self.group.poll(self._closing is not None, due)
+        if gather:  # every rank's store figures, for rank 0's /metrics
+            self._gathered = time.monotonic()
+            figures = self.group.gather(self.store_cache.store.metrics())
+            if self.group.rank == 0:
+                self.metrics.ranks(figures)
+        if closing:
             if self._closing is None:
                 self._closing = time.monotonic()
                 log.info("another rank of the group stops: this one closes with it")

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from ..errors import PromptStoreError, ServeConfigError
 from ..store import PromptStore
@@ -55,7 +57,13 @@ class ServeMetrics:
         self.by_tenant = keyring.required
         if self.by_tenant:
             self._tenant_metrics(keyring.tenants())
-        self.registry.register(StoreCollector(store))
+        self.store_collector = StoreCollector(store)
+        self.registry.register(self.store_collector)
+
+    def ranks(self, figures: list[StoreMetrics]) -> None:
+        """Every rank's store figures, as a group last gathered them (by rank; this
+        process's, rank 0's, is read live at each scrape)."""
+        self.store_collector.ranks, self.store_collector.gathered = figures, time.monotonic()
 
     def _request_metrics(self) -> None:
         r, m = self.registry, ["model"]
@@ -182,10 +190,14 @@ class ServeMetrics:
 
 
 class StoreCollector:
-    """The store's counters and sizes, read at each scrape (nothing while it is closed)."""
+    """The store's counters and sizes, read at each scrape (nothing while it is closed).
+    In a distributed group (rank 0 serves /metrics) each family has a `rank` label:
+    rank 0's read live, the others' as the group last gathered them."""
 
     def __init__(self, store: PromptStore):
         self.store = store
+        self.ranks: list[StoreMetrics] = []  # a group's, by rank (ServeMetrics.ranks)
+        self.gathered = 0.0
 
     def describe(self):
         return []  # the families depend on the store (a warm start, say): nothing to check at registration
@@ -195,12 +207,36 @@ class StoreCollector:
             m = self.store.metrics()
         except PromptStoreError:
             return  # closed, as the server stops
-        yield from _store_counters(m)
-        yield from _store_sizes(m)
-        if m.retention is not None:
-            yield from _retention(m)
-        if m.warm_start is not None:
-            yield from _warm_start(m)
+        if not self.ranks:
+            yield from _store_families(m)
+            return
+        yield from _by_rank([m, *self.ranks[1:]])
+        yield GaugeMetricFamily("promptstore_group_ranks", "Ranks of the distributed group", value=len(self.ranks))
+        yield GaugeMetricFamily(
+            "promptstore_group_figures_age_seconds",
+            "Seconds since the other ranks' store figures were gathered",
+            value=time.monotonic() - self.gathered,
+        )
+
+
+def _store_families(m: StoreMetrics):
+    yield from _store_counters(m)
+    yield from _store_sizes(m)
+    if m.retention is not None:
+        yield from _retention(m)
+    if m.warm_start is not None:
+        yield from _warm_start(m)
+
+
+def _by_rank(per_rank: list[StoreMetrics]):
+    """Each rank's families as one, every sample labelled with its rank."""
+    merged: dict[str, Metric] = {}
+    for rank, m in enumerate(per_rank):
+        for family in _store_families(m):
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            for sample in family.samples:
+                into.add_sample(sample.name, dict(sample.labels, rank=str(rank)), sample.value)
+    yield from merged.values()
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -107,9 +107,27 @@ class Group:
             raise GroupLost(f"rank {self.rank}: {e}") from e
         return int(every.min()), int(every.max())
 
-    def any(self, flag: bool) -> bool:
-        """Whether any rank's `flag` is set."""
-        return self.span(int(bool(flag)))[1] == 1
+    def poll(self, flag: bool, leader: bool) -> tuple[bool, bool]:
+        """In one collective: whether any rank's `flag` is set, and rank 0's `leader`."""
+        mine = [int(bool(flag)), int(bool(leader)) if self.rank == 0 else 0]
+        try:
+            both = np.array(mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=self.handle))
+        except RuntimeError as e:
+            raise GroupLost(f"rank {self.rank}: {e}") from e
+        return bool(both[0]), bool(both[1])
+
+    def gather(self, obj: Any) -> list:
+        """Every rank's `obj`, by rank (pickled; small objects only)."""
+        data = pickle.dumps(obj)
+        try:
+            sizes = np.array(mx.distributed.all_gather(mx.array([len(data)], dtype=mx.int64), group=self.handle))
+            padded = np.zeros(int(sizes.max()), dtype=np.uint8)
+            padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+            every = np.array(mx.distributed.all_gather(mx.array(padded), group=self.handle))
+        except RuntimeError as e:
+            raise GroupLost(f"rank {self.rank}: {e}") from e
+        rows = every.reshape(self.size, -1)
+        return [pickle.loads(rows[r, : int(sizes[r])].tobytes()) for r in range(self.size)]
 
     def share(self, obj: Any) -> Any:
         """Rank 0's `obj`, on every rank (pickled; small objects only)."""

@@ -6,14 +6,18 @@ and a SIGKILL of one rank after which a new group restores what every rank kept.
 from __future__ import annotations
 
 import signal
+import time
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from .servers import GroupServer
 
 SYSTEM = "You are the librarian of a small harbour town. You know every book about sailing, boats and tides."
 QUESTIONS = ["Do you have any books about sailing?", "What are the opening hours on Saturday?", "Tell me about tides."]
 MAX_TOKENS = 10
+METRICS_WAIT_S = 30.0  # the group gathers its ranks' figures every few seconds
 
 
 def _chat(server: GroupServer, turns: int = len(QUESTIONS)) -> list[tuple[str, int, int]]:
@@ -99,10 +103,31 @@ def test_a_restarted_group_answers_as_a_fresh_one(group, group_model, tmp_path, 
     fresh = group(model, tmp_path / "fresh", *extra)
     # ...and answers as a group that computed every token.
     assert [t for t, _, _ in after] == [t for t, _, _ in _chat(fresh)] == [t for t, _, _ in before]
+    _every_rank_in_metrics(again)
     if kind == "tensor":
         restored, computed = _other_apis(again, after), _other_apis(fresh, after)
         assert {k: v[0] for k, v in restored.items()} == {k: v[0] for k, v in computed.items()}
         assert all(v[1] > 0 for v in restored.values()), restored
+
+
+def _every_rank_in_metrics(server: GroupServer) -> None:
+    """Rank 0's /metrics has every rank's store: its figures labelled by rank,
+    the others' as the group last gathered them (every few seconds)."""
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while True:
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            text = http.get(server.url + "/metrics").text
+        stored = {
+            s.labels["rank"]: s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "promptstore_stored_nodes"
+            for s in family.samples
+        }
+        if set(stored) == {"0", "1"} and all(v > 0 for v in stored.values()):
+            break
+        assert time.monotonic() < deadline, f"not every rank's stored nodes in /metrics: {stored}"
+        time.sleep(0.5)
+    assert "promptstore_group_ranks 2.0" in text
 
 
 def test_a_rank_killed_stops_the_group_and_the_next_restores_what_every_rank_kept(group, group_model, tmp_path):
