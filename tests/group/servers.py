@@ -8,42 +8,27 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anthropic
-import httpx
 from openai import OpenAI
+
+from tests.serve.conftest import STOP_DEADLINE_S, Server
 
 from .conftest import ROOT, _free_ports
 
-START_DEADLINE_S = 120.0
-STOP_DEADLINE_S = 60.0
 SERVE = Path(__file__).with_name("_serve.py")
 
 
-class GroupServer:
-    """A group of `ranks` server processes under one mlx.launch."""
+class GroupServer(Server):
+    """A group of `ranks` server processes under one mlx.launch; `start()`, `health_body()`
+    and `log()` as a one-process server's."""
 
     def __init__(self, model: Path, store: Path, log: Path, *extra: str, ranks: int = 2):
-        self.model, self.store, self.log_path, self.extra, self.ranks = model, store, log, extra, ranks
-        self.proc: subprocess.Popen | None = None
-        self.port = 0
+        super().__init__(model, store, log, *extra)
+        self.ranks = ranks
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> GroupServer:
-        for _ in range(3):  # another process may take a free port first
-            self._launch()
-            if self._healthy():
-                return self
-            if "Address already in use" not in self.log() and "address" not in self.log().lower():
-                break
-        raise AssertionError(f"the group did not become healthy:\n{self.log()[-4000:]}")
-
-    def _launch(self) -> None:
+    def launch(self) -> None:
         self.kill()
         first = _free_ports(self.ranks + 1)
         self.port = first + self.ranks  # the ring takes first .. first + ranks - 1
@@ -60,25 +45,6 @@ class GroupServer:
                 cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
 
-    def _healthy(self) -> bool:
-        deadline = time.monotonic() + START_DEADLINE_S
-        with httpx.Client(trust_env=False, timeout=5) as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    return False
-                try:
-                    if http.get(self.url + "/health").status_code == 200:
-                        return True
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-        self.kill()
-        return False
-
-    def health_body(self) -> dict:
-        with httpx.Client(trust_env=False, timeout=10) as http:
-            return http.get(self.url + "/health").json()
-
     def pid(self, rank: int) -> int:
         """The process of `rank` (each rank logs it as it starts)."""
         found = re.findall(rf"group: rank {rank} of {self.ranks} \(\w+ parallel\), process (\d+)", self.log())
@@ -86,8 +52,7 @@ class GroupServer:
         return int(found[-1])
 
     def openai(self) -> OpenAI:
-        http = httpx.Client(trust_env=False, timeout=120)
-        return OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, http_client=http)
+        return self.client()
 
     def anthropic(self) -> anthropic.Anthropic:
         http = anthropic.DefaultHttpxClient(trust_env=False, timeout=120)
@@ -103,12 +68,10 @@ class GroupServer:
             raise AssertionError(f"the group did not stop in {STOP_DEADLINE_S} s:\n{self.log()[-4000:]}") from None
 
     def kill(self) -> None:
+        """Every rank and the launcher (its session)."""
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             self.proc.wait(timeout=STOP_DEADLINE_S)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
