@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("promptstore.serve")
 
 RESTARTS = 5  # the generation loop is started again after a failure, at most this many times
-RESTART_WINDOW_S = 60.0
-RANK_METRICS_S = 5.0  # in a group, every rank's store figures reach rank 0's /metrics this often  # within this long; one failure more and the server exits non-zero
+RESTART_WINDOW_S = 60.0  # within this long; one failure more and the server exits non-zero
+RANK_METRICS_S = 5.0  # in a group, every rank's store figures reach rank 0's /metrics this often
 
 
 class Replies(Queue):
