@@ -101,7 +101,9 @@ class InsertSettings:
             in_group=in_group,
             finished_limit=max(1, batch),
             replies_before_fetch=replies_before_fetch,
-            reply_chunk=REPLY_CHUNK_CPU if on_cpu else None,
+            # A group stores a reply as it finishes, with nothing to give way to between
+            # chunks: each chunk would only be one more forward, a collective round on every rank.
+            reply_chunk=REPLY_CHUNK_CPU if on_cpu and not in_group else None,
             reply_grace=REPLY_GRACE_CPU_S if on_cpu else 0.0,
             reply_batch=max(1, reply_batch or (batch if on_cpu else 1)),
         )

@@ -132,3 +132,20 @@ def test_the_tables_keep_chat_and_chat_8_apart():
     assert "#### multi-round chat, a SIGKILL restart and a SIGTERM restart, 8 users" in text
     assert "8 users at once" in text and "replies that render back to the tokens generated" in text
     assert text.count("After the SIGTERM restart") == 2
+
+
+def test_a_sharded_server_is_started_by_mlx_launch_running_a_script_of_its_own(tmp_path):
+    from serve_peers import Setup, build, launched
+
+    setup = Setup("python3", tmp_path / "model", 1 << 20, 8, {}, tmp_path, [], None, "", group=2)
+    for name, module in ((MLX_LM, "mlx_lm"), (PROMPTSTORE, "promptstore")):
+        server = build(name, setup)
+        assert server.group == (2, "ring", tmp_path)
+        cmd = launched(server.cmd, server.group, 40000)
+        launcher, script = cmd[: cmd.index("--")], cmd[cmd.index("--") + 1 :]
+        assert launcher[3:] == ["--backend", "ring", "-n", "2", "--starting-port", "40000", "--python", "python3"]
+        assert script[0] == str(tmp_path / f"launch_{module}.py") and Path(script[0]).is_file()
+        # mlx-lm's script is its server's main; promptstore's is the command, given `serve`.
+        assert script[1] == ("serve" if name == PROMPTSTORE else "--model")
+    alone = build(MLX_LM, Setup("python3", tmp_path / "model", 1 << 20, 8, {}, tmp_path, [], None, ""))
+    assert alone.group is None and alone.cmd[:4] == ["python3", "-m", "mlx_lm", "server"]

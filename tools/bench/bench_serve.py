@@ -182,7 +182,8 @@ def run_workload(workload: str, w: dict, base: Setup, names: list[str], args, ru
         out = merged([run_servers(workload, w, setup, [name], args) for name in names[k:] + names[:k]])
     else:
         out = run_servers(workload, w, setup, names[k:] + names[:k], args)
-    if workload == "pressure" and w.get("check_replies", True):
+    # A sharded run checks every reply: a rank restoring another state would still answer, wrongly.
+    if (workload == "pressure" or args.group > 1) and w.get("check_replies", True):
         out["full_prefill"] = compare_with_full_prefill(out["rows"], setup)
     for r in out["rows"]:
         r["round_trip"] = round_trips(tokenizer, r.pop("messages"), r)
@@ -412,6 +413,14 @@ def main() -> int:
         help="cap every server's MLX buffer cache (mx.set_cache_limit, through a sitecustomize on its path): "
         "three 8B servers each keeping freed buffers outgrow an 80 GB card",
     )
+    p.add_argument(
+        "--group",
+        type=int,
+        default=1,
+        help="run mlx_lm.server and promptstore serve sharded over this many ranks (mlx.launch, tensor "
+        "parallel; vllm-mlx has no sharded mode); each server's ranks are one server (default: 1)",
+    )
+    p.add_argument("--group-backend", default="ring", help="mlx.launch's backend with --group (ring, nccl, ...)")
     p.add_argument("--note", default="", help="a sentence on this run kept in the result (the machine, say)")
     p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = p.parse_args()
@@ -459,6 +468,10 @@ def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
     vllm_python = args.vllm_mlx_python  # a path (made absolute: vllm-mlx runs in its own folder) or a command
     vllm_python = os.path.abspath(vllm_python) if os.sep in vllm_python else vllm_python
     skipped = {}
+    if VLLM_MLX in names and args.group > 1:
+        print("vllm-mlx skipped: it has no sharded mode", flush=True)
+        skipped[VLLM_MLX] = "no sharded mode (--group)"
+        names.remove(VLLM_MLX)
     if VLLM_MLX in names and (why := vllm_missing(vllm_python, vllm_pythonpath)):
         print(f"vllm-mlx skipped: {why}", flush=True)
         skipped[VLLM_MLX] = why
@@ -474,6 +487,8 @@ def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
         serve_args=args.serve_args.split(),
         vllm_python=vllm_python if VLLM_MLX in names else None,
         vllm_pythonpath=vllm_pythonpath,
+        group=args.group,
+        group_backend=args.group_backend,
     )
     if args.warm_up_process:
         warm_up_process(base, profile)
@@ -498,6 +513,11 @@ def run_bench(args, work: Path, out_path: str, blas: dict) -> int:
         "commands": [*before.get("commands", []), command(args)],
         "note": profile["note"],
         "replies": args.replies,
+        **(
+            {"group": {"ranks": args.group, "backend": args.group_backend, "parallel": "tensor"}}
+            if args.group > 1
+            else {}
+        ),
         "run_note": "; ".join(n for n in (before.get("run_note"), args.note) if n),
         "wall_s": before.get("wall_s", 0) + time.perf_counter() - started,
         "servers": sorted(results, key=SERVERS.index),
@@ -564,6 +584,7 @@ def command(args) -> str:
     flags += [f"--mlx-cache-limit-gb {args.mlx_cache_limit_gb:g}"] if args.mlx_cache_limit_gb is not None else []
     flags += [f"--serve-args '{args.serve_args}'"] if args.serve_args else []
     flags += [f"--servers '{args.servers}'"] if args.servers != ",".join(SERVERS) else []
+    flags += [f"--group {args.group} --group-backend {args.group_backend}"] if args.group > 1 else []
     return "python tools/bench/bench_serve.py " + " ".join(flags)
 
 

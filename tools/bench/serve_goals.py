@@ -48,7 +48,7 @@ def summarize(workload: str, runs: list[dict], names: list[str]) -> dict:
                 a = [r for run in runs for r in run["rows"] if r["server"] == base and r["round"] == label]
                 b = [r for run in runs for r in run["rows"] if r["server"] == name and r["round"] == label]
                 s["replies_equal_mlx_lm"] = f"{sum(x['reply'] == y['reply'] for x, y in zip(a, b))}/{len(a)}"
-    if workload == "pressure" and all("full_prefill" in run for run in runs):
+    if all("full_prefill" in run for run in runs):  # pressure, and every workload of a sharded run
         for name in names:
             eq = [run["full_prefill"][name] for run in runs]
             out[name]["replies_equal_full_prefill"] = f"{sum(e['equal'] for e in eq)}/{sum(e['requests'] for e in eq)}"
@@ -100,11 +100,13 @@ def goals(results: dict) -> list[dict]:
                     limit,
                 )
                 out.append(g)
-    if "replies_equal_full_prefill" in ours.get("pressure", {}):
-        equal, total = map(int, ours["pressure"]["replies_equal_full_prefill"].split("/"))
+    for workload, figures in ours.items():
+        if "replies_equal_full_prefill" not in figures:
+            continue
+        equal, total = map(int, figures["replies_equal_full_prefill"].split("/"))
         out.append(
             {
-                "goal": "pressure: replies equal to a full prefill's",
+                "goal": f"{workload}: replies equal to a full prefill's",
                 "value": equal / total,
                 "limit": 1.0,
                 "met": equal == total,

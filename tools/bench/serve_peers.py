@@ -39,6 +39,8 @@ class Setup:
     vllm_python: str | None  # None: vllm-mlx is not run
     vllm_pythonpath: str
     warm_prompts: list[list[dict]] | None = None  # vllm-mlx's and promptstore's --warm-prompts, where they apply
+    group: int = 1  # ranks of a sharded run under mlx.launch (tensor parallel); 1: one process
+    group_backend: str = "ring"
 
 
 def build(name: str, s: Setup) -> Server:
@@ -47,7 +49,7 @@ def build(name: str, s: Setup) -> Server:
     mlx_args = ["--model", str(s.model), "--prompt-cache-size", "1000", "--prompt-cache-bytes", str(s.budget_bytes)]
     if name == MLX_LM:
         cmd = [s.python, "-m", "mlx_lm", "server", *mlx_args, *common]
-        return Server(name, cmd, s.env, s.work / "mlx_lm.log", "default_model")
+        return Server(name, cmd, s.env, s.work / "mlx_lm.log", "default_model", group=_group(s))
     if name == PROMPTSTORE:
         # --prompt-cache-bytes is also promptstore's hot-tier budget (--hot-bytes' default).
         store = ["--store", str(s.work / "store")]
@@ -56,7 +58,7 @@ def build(name: str, s: Setup) -> Server:
             path.write_text(json.dumps(s.warm_prompts))
             store += ["--warm-prompts", str(path)]
         cmd = [s.python, "-m", "promptstore", "serve", *mlx_args, *common, *store, *s.serve_args]
-        return Server(name, cmd, s.env, s.work / "promptstore.log", "default_model")
+        return Server(name, cmd, s.env, s.work / "promptstore.log", "default_model", group=_group(s))
     if name == VLLM_MLX:
         return vllm_server(s, common)
     raise ValueError(f"unknown server {name!r}")
@@ -96,9 +98,51 @@ def reference_server(name: str, s: Setup) -> Server:
         server = vllm_server(s, ["--max-tokens", str(s.answer_tokens)], cache=False)
     else:
         cmd = [s.python, "-m", "mlx_lm", "server", "--model", str(s.model), "--prompt-cache-size", "0"]
-        server = Server(MLX_LM, [*cmd, "--max-tokens", str(s.answer_tokens)], s.env, s.work / "reference.log")
+        cmd += ["--max-tokens", str(s.answer_tokens)]
+        server = Server(MLX_LM, cmd, s.env, s.work / "reference.log", group=_group(s))
     server.name = f"{server.name}, no cache"
     return server
+
+
+# What mlx.launch runs on each rank (it runs a script, not `python -m`).
+LAUNCHED = {
+    "mlx_lm": "from mlx_lm.server import main\nmain()\n",
+    "promptstore": "import sys\nfrom promptstore.cli import main\nsys.exit(main())\n",
+}
+
+
+def _group(s: Setup) -> tuple[int, str, Path] | None:
+    """(ranks, backend, a folder for the scripts mlx.launch runs) of a sharded run, None alone."""
+    return (s.group, s.group_backend, s.work) if s.group > 1 else None
+
+
+def launched(cmd: list[str], group: tuple[int, str, Path], first_port: int) -> list[str]:
+    """`python -m MODULE ARGS` as mlx.launch starting it on each rank of `group`."""
+    ranks, backend, folder = group
+    python, module, args = cmd[0], cmd[2], cmd[3:]
+    if module == "mlx_lm":  # `python -m mlx_lm server ...`: the script is the server's main
+        args = args[1:]
+    script = folder / f"launch_{module}.py"
+    script.write_text(LAUNCHED[module])
+    launcher = [python, "-c", "from mlx._distributed_utils.launch import main; main()", "--backend", backend]
+    launcher += ["-n", str(ranks), "--starting-port", str(first_port), "--python", python, "--"]
+    return [*launcher, str(script), *args]
+
+
+def _free_ports(n: int) -> int:
+    """The first of `n` consecutive loopback ports free now (the ring takes first + rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        try:
+            for port in range(first, first + n):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError("no run of free loopback ports")
 
 
 def _said_path(path: str) -> str:
@@ -138,8 +182,11 @@ def vllm_missing(python: str | None, pythonpath: str) -> str | None:
 class Server:
     """A server process on a free loopback port."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict, log: Path, model: str = "default_model", cwd=None):
+    def __init__(
+        self, name: str, cmd: list[str], env: dict, log: Path, model: str = "default_model", cwd=None, group=None
+    ):
         self.name, self.cmd, self.env, self.log, self.model, self.cwd = name, cmd, env, log, model, cwd
+        self.group = group  # (ranks, backend, folder): started sharded under mlx.launch
         self.proc = None
         self.port = 0
         self.starts = 0
@@ -153,7 +200,19 @@ class Server:
             log.write(f"\n==== bench: start {self.starts} ====\n")
             log.flush()
             cmd = [*self.cmd, "--host", "127.0.0.1", "--port", str(self.port)]
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=self.env, cwd=self.cwd)
+            if self.group is None:
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=self.env, cwd=self.cwd)
+            else:  # its own session (stop and kill reach every rank); a stdin that never ends, or it spins
+                cmd = launched(cmd, self.group, _free_ports(self.group[0]))
+                self.proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=log,
+                    stderr=log,
+                    env=self.env,
+                    cwd=self.cwd,
+                    start_new_session=True,
+                )
         deadline = time.monotonic() + START_DEADLINE_S
         with httpx.Client(trust_env=False, timeout=5) as http:
             while time.monotonic() < deadline and self.proc.poll() is None:
@@ -175,8 +234,14 @@ class Server:
         return OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, http_client=http)
 
     def stop(self) -> int:
-        """SIGTERM: the server may save what it holds."""
-        self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM: the server may save what it holds (a group: to every rank, since
+        mlx.launch passes no signal on)."""
+        if self.group is None:
+            self.proc.send_signal(signal.SIGTERM)
+        else:
+            for pid in _session(self.proc.pid):
+                if pid != self.proc.pid:
+                    os.kill(pid, signal.SIGTERM)
         try:
             return self.proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
@@ -186,7 +251,10 @@ class Server:
     def kill(self) -> None:
         """SIGKILL: nothing is saved but what was on disk already."""
         if self.proc and self.proc.poll() is None:
-            self.proc.kill()
+            if self.group is None:
+                self.proc.kill()
+            else:
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=60)
 
     def running(self) -> bool:
@@ -220,6 +288,19 @@ class Server:
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+
+
+def _session(sid: int) -> list[int]:
+    """The processes of session `sid` (Linux): a launcher and its ranks."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # the session id: field 6 of stat, the 4th after the name
+            pids.append(int(stat.parent.name))
+    return pids
 
 
 def ask(server: Server, messages: list[dict], max_tokens: int, client: OpenAI | None = None) -> dict:
