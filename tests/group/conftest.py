@@ -19,6 +19,9 @@ from promptstore.testing.model_dir import write_model_dir
 ROOT = Path(__file__).resolve().parents[2]
 RANK = Path(__file__).with_name("_rank.py")
 LAUNCH_SECONDS = 180  # a group of tiny models plays its turns in seconds; a hang ends here
+# The ring's ports are chosen free, then bound by the ranks: another process may take one between.
+BIND_TRIES = 3
+RING_BIND_FAILED = "[ring] Couldn't bind socket"
 
 
 def _free_ports(n: int) -> int:
@@ -55,14 +58,23 @@ def launch(tmp: Path, model: Path, store: Path, steps: list, *, kind: str = "ten
         cmd = [sys.executable, str(RANK), "--model", str(model), "--store", str(store), "--kind", kind]
         cmd += ["--steps", str(steps_file), "--out", str(out)]
         return _run(cmd, out, ranks)
-    first = _free_ports(ranks)
-    cmd = [
-        *(sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"),
-        *("--backend", "ring", "-n", str(ranks), "--starting-port", str(first), "--python", sys.executable),
-        *(str(RANK), "--model", str(model), "--store", str(store), "--kind", kind),
-        *("--steps", str(steps_file), "--out", str(out)),
-    ]
-    return _run(cmd, out, ranks)
+    for _ in range(BIND_TRIES):
+        first = _free_ports(ranks)
+        cmd = [
+            *(sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"),
+            *("--backend", "ring", "-n", str(ranks), "--starting-port", str(first), "--python", sys.executable),
+            *(str(RANK), "--model", str(model), "--store", str(store), "--kind", kind),
+            *("--steps", str(steps_file), "--out", str(out)),
+        ]
+        try:
+            return _run(cmd, out, ranks)
+        except PortTaken:
+            continue  # no rank got past mx.distributed.init(): nothing was opened or stored
+    pytest.fail(f"the ring's ports were taken {BIND_TRIES} times in a row")
+
+
+class PortTaken(Exception):
+    """A port the ring was to listen on was taken between the choice and the bind."""
 
 
 def _run(cmd: list[str], out: Path, ranks: int) -> list[dict]:
@@ -77,6 +89,8 @@ def _run(cmd: list[str], out: Path, ranks: int) -> list[dict]:
             proc.wait()
             pytest.fail(f"the group did not finish in {LAUNCH_SECONDS} s:\n{_tail(log)}")
     seen = [out / f"rank-{r}.json" for r in range(ranks)]
+    if not any(f.exists() for f in seen) and RING_BIND_FAILED in log.read_text(errors="replace"):
+        raise PortTaken
     if proc.returncode != 0 or not all(f.exists() for f in seen):
         pytest.fail(f"the group failed (exit {proc.returncode}):\n{_tail(log)}")
     return [json.loads(f.read_text()) for f in seen]

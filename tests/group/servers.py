@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from tests.serve.conftest import STOP_DEADLINE_S, Server
 
-from .conftest import ROOT, _free_ports
+from .conftest import BIND_TRIES, RING_BIND_FAILED, ROOT, _free_ports
 
 SERVE = Path(__file__).with_name("_serve.py")
 
@@ -27,6 +27,16 @@ class GroupServer(Server):
     def __init__(self, model: Path, store: Path, log: Path, *extra: str, ranks: int = 2):
         super().__init__(model, store, log, *extra)
         self.ranks = ranks
+
+    def start(self) -> GroupServer:
+        """Started and healthy; started again where a port it was to listen on was taken."""
+        for _ in range(BIND_TRIES):
+            self.launch()
+            if self._healthy():
+                return self
+            if RING_BIND_FAILED not in self.log() and "Address already in use" not in self.log():
+                break
+        raise AssertionError(f"the group did not become healthy:\n{self.log()[-4000:]}")
 
     def launch(self) -> None:
         self.kill()
