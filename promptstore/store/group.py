@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import pickle
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -101,47 +102,39 @@ class Group:
 
     def span(self, value: int) -> tuple[int, int]:
         """The smallest and largest of every rank's `value`."""
-        try:
+        with self._collective():
             every = np.array(mx.distributed.all_gather(mx.array([int(value)], dtype=mx.int64), group=self.handle))
-        except RuntimeError as e:
-            raise GroupLost(f"rank {self.rank}: {e}") from e
         return int(every.min()), int(every.max())
 
     def poll(self, flag: bool, leader: bool) -> tuple[bool, bool]:
         """In one collective: whether any rank's `flag` is set, and rank 0's `leader`."""
         mine = [int(bool(flag)), int(bool(leader)) if self.rank == 0 else 0]
-        try:
+        with self._collective():
             both = np.array(mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=self.handle))
-        except RuntimeError as e:
-            raise GroupLost(f"rank {self.rank}: {e}") from e
         return bool(both[0]), bool(both[1])
 
     def gather(self, obj: Any) -> list:
         """Every rank's `obj`, by rank (pickled; small objects only)."""
         data = pickle.dumps(obj)
-        try:
+        with self._collective():
             sizes = np.array(mx.distributed.all_gather(mx.array([len(data)], dtype=mx.int64), group=self.handle))
             padded = np.zeros(int(sizes.max()), dtype=np.uint8)
             padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
             every = np.array(mx.distributed.all_gather(mx.array(padded), group=self.handle))
-        except RuntimeError as e:
-            raise GroupLost(f"rank {self.rank}: {e}") from e
         rows = every.reshape(self.size, -1)
         return [pickle.loads(rows[r, : int(sizes[r])].tobytes()) for r in range(self.size)]
 
     def share(self, obj: Any) -> Any:
         """Rank 0's `obj`, on every rank (pickled; small objects only)."""
-        data = pickle.dumps(obj) if self.rank == 0 else b""
+        return self.gather(obj if self.rank == 0 else None)[0]
+
+    @contextmanager
+    def _collective(self):
+        """A collective's failure as GroupLost: MLX says a peer is gone with a RuntimeError."""
         try:
-            size = int(mx.distributed.all_sum(mx.array(len(data)), group=self.handle).item())
-            if self.rank == 0:
-                buffer = mx.array(np.frombuffer(data, dtype=np.uint8))
-            else:
-                buffer = mx.zeros(size, dtype=mx.uint8)
-            shared = bytes(np.array(mx.distributed.all_sum(buffer, group=self.handle)))
+            yield
         except RuntimeError as e:
             raise GroupLost(f"rank {self.rank}: {e}") from e
-        return pickle.loads(shared)
 
     def agreed(self, local: Callable[[int | None], Hit], empty: Callable[[], Hit]) -> tuple[Hit, int]:
         """The hit every rank restores, and how many times this rank restored again.

@@ -193,7 +193,8 @@ class Space:
         """
         if self.group is None:
             return self._fetch(tokens, checkpoints, count=count)
-        toks = self._tokens(tokens)  # bad tokens raise on every rank alike, before any collective
+        toks = self._tokens(tokens)  # bad tokens and checkpoints raise on every rank alike, before any collective
+        self._wanted(checkpoints, len(toks))
         hit, again = self.group.agreed(
             lambda limit: self._fetch(toks, checkpoints, count=False, limit=limit),
             lambda: Hit(0, self.new_cache(), ()),

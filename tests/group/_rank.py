@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx_lm.utils import sharded_load
 
 from promptstore import PromptStore
+from promptstore.errors import PromptStoreError
 from promptstore.store.group import Group
 
 
@@ -67,7 +68,11 @@ def main() -> int:
     seen = []
     for step in json.loads(Path(args.steps).read_text()):
         toks = step["tokens"]
-        hit = space.fetch(toks, step.get("checkpoints", ()))
+        try:
+            hit = space.fetch(toks, step.get("checkpoints", ()))
+        except PromptStoreError as e:  # bad input: refused alike on every rank, the group goes on
+            seen.append({"refused": type(e).__name__})
+            continue
         logits = prefill(model, hit.cache, toks, hit.length, hit.checkpoints, space)
         space.insert(toks, hit.cache)
         reference_cache = space.new_cache()

@@ -39,7 +39,11 @@ def test_turns_and_restart(tmp_path, group_model, kind, family):
     # The end of the system prompt is a checkpoint: recurrent layers restore only where their state was stored.
     fork = system + _prompt(40, 4)
     steps = [{"tokens": first, "checkpoints": [len(system)]}, {"tokens": second}, {"tokens": fork}]
-    ranks = launch(tmp_path, model, store, steps, kind=kind)
+    bad = [{"tokens": first, "checkpoints": [len(first) + 5]}, {"tokens": [3, 10**6]}]  # typed errors, each rank
+    ranks = launch(tmp_path, model, store, bad + steps, kind=kind)
+    for r in ranks:
+        assert r["steps"][:2] == [{"refused": "SnapshotRangeError"}, {"refused": "TokenRangeError"}]
+        r["steps"] = r["steps"][2:]
     hits = _agreed(ranks)
     assert hits[0] == 0 and hits[1] >= len(first) - 16 and hits[2] >= len(system)
     _faithful(ranks)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import shutil
 
-import numpy as np
-
 from .conftest import launch
 from .test_fidelity import _agreed, _faithful, _prompt
 
@@ -81,4 +79,4 @@ def test_a_group_of_another_size_starts_afresh(tmp_path, group_model):
     _faithful(again)
     two = launch(tmp_path, model, store, [{"tokens": third}])
     assert _agreed(two)[0] >= len(second) - 16
-    assert np.all([r["folder"].endswith(f"tensor-2/rank-{r['rank']}") for r in two])
+    assert all(r["folder"].endswith(f"tensor-2/rank-{r['rank']}") for r in two)
