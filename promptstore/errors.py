@@ -186,3 +186,14 @@ class ModelIdentityError(SettingsError):
 class StoreNotWritableError(StoreDirectoryError):
     """The store directory cannot be written: on a read-only filesystem, or without
     write permission for this user (a store writes its lock, index and files there)."""
+
+
+class ImageInputError(PromptStoreError, ValueError):
+    """An image a prompt cannot take: not an image, too large, too many, a source
+    refused (a remote URL, a file outside the folders allowed) or a format the
+    model's processor refuses. `part` names the prompt part at fault
+    (`messages[1].content[2]`), the server's 400 says it."""
+
+    def __init__(self, message: str, part: str | None = None):
+        super().__init__(f"{part}: {message}" if part else message)
+        self.part = part

@@ -28,6 +28,7 @@ LAYERS = {
     "snapshots": {"caches", "errors", "identity"},
     "store": {"caches", "index", "snapshots", "errors", "identity", "config"},
     "generation": {"caches", "store", "errors", "config"},
+    "vision": {"caches", "store", "errors", "config"},
     "console": {"store", "errors", "config"},
     "testing": {"caches", "errors", "identity", "config"},
     "serve": {"generation", "console", "store", "caches", "errors", "identity", "config"},
@@ -98,7 +99,7 @@ def test_imports_point_one_way():
 
 
 def test_what_sits_on_the_store_reaches_it_only_through_store():
-    above = ("generation", "console", "serve", "demo", "compact_cli", "cli", "__main__")
+    above = ("generation", "vision", "console", "serve", "demo", "compact_cli", "cli", "__main__")
     reaching = {part: sorted(LAYERS[part] & {"snapshots", "index"}) for part in above}
     assert not any(reaching.values()), f"parts above the store allowed its internals: {reaching}"
 

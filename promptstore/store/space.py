@@ -104,7 +104,10 @@ class Space:
         self._stats_lock = threading.Lock()
         self._stats_write = None  # the write of gathered counters under way on the stats thread
         self.vocabulary = vocabulary_size(model)
+        self.image_keys = bool(getattr(model, "image_keys", False))  # a vision model's: promptstore.vision
         self.model_label = model_label(namespace.spec)  # what the store's metrics name its model
+        if self.image_keys and settings.cold_plan in ("auto", "overlap"):  # the store cannot run image keys
+            settings = settings.model_copy(update={"cold_plan": "load"})
         self.restorer = Restorer(tiers, settings, model, self.rates)
         self.inserter = Inserter(
             index, tiers, settings, namespace, model, dtype, self.new_cache, self._account, self._step
@@ -274,7 +277,7 @@ class Space:
 
     def _tokens(self, tokens):
         """Valid token ids below this model's vocabulary, or a typed error (before anything runs)."""
-        return model_tokens(tokens, self.vocabulary)
+        return model_tokens(tokens, self.vocabulary, self.image_keys)
 
     def _account(self, nodes, **counts) -> None:
         """Access order and hit counters are advisory: gathered, then written now

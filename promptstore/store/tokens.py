@@ -1,4 +1,5 @@
-"""Tokens a namespace accepts: valid ids (index.as_tokens) below its model's vocabulary.
+"""Tokens a namespace accepts: valid ids (index.as_tokens) below its model's vocabulary,
+and, for a vision-language model, image keys (ids from IMAGE_KEYS up: promptstore.vision.keys).
 
 A token id past the embedding's rows makes MLX read out of bounds and crash the
 process, so every entry point checks before anything runs.
@@ -23,11 +24,21 @@ def vocabulary_size(model: nn.Module) -> int | None:
     return max(rows) if rows else None
 
 
-def model_tokens(tokens, vocabulary: int | None) -> np.ndarray:
-    """as_tokens(tokens), refusing ids at or past `vocabulary` with TokenRangeError."""
+# Ids from here up stand for image content, never for a token: no tokenizer's vocabulary reaches 2^31.
+IMAGE_KEYS = 1 << 31
+
+
+def model_tokens(tokens, vocabulary: int | None, image_keys: bool = False) -> np.ndarray:
+    """as_tokens(tokens), refusing ids at or past `vocabulary` with TokenRangeError
+    (but for image keys, ids from IMAGE_KEYS up, where `image_keys`)."""
     toks = as_tokens(tokens)
-    if vocabulary is not None and len(toks) and int(toks.max()) >= vocabulary:
-        at = int(np.argmax(toks >= vocabulary))
+    if vocabulary is None or not len(toks):
+        return toks
+    outside = toks >= vocabulary
+    if image_keys:
+        outside &= toks < IMAGE_KEYS
+    if outside.any():
+        at = int(np.argmax(outside))
         raise TokenRangeError(
             f"token {int(toks[at])} at position {at} is outside the model's vocabulary of {vocabulary} ids"
         )
