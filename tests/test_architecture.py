@@ -31,7 +31,7 @@ LAYERS = {
     "vision": {"caches", "store", "errors", "config"},
     "console": {"store", "errors", "config"},
     "testing": {"caches", "errors", "identity", "config"},
-    "serve": {"generation", "console", "store", "caches", "errors", "identity", "config"},
+    "serve": {"generation", "vision", "console", "store", "caches", "errors", "identity", "config"},
     "demo": {"generation", "console", "store", "caches", "testing", "errors", "config"},
     "compact_cli": {"console", "store", "errors", "config"},
     "cli": {"serve", "demo", "compact_cli", "generation", "console", "store", "caches", "errors", "identity", "config"},

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
 from .. import caches as C
-from ..errors import ModelIdentityError, PromptStoreError
+from ..errors import CacheError, ModelIdentityError, PromptStoreError
 from ..store import Hit, PromptStore, Space
 from ..store.model import weights_digest, weights_fingerprint
 from .insert_scheduler import InsertScheduler, InsertSettings, WaitingInsert
@@ -205,24 +205,40 @@ class StoreCache:
 
     # --- fetch --------------------------------------------------------------------
 
-    def begin(self, tenant: Tenant, prompt: list[int], chat: ChatTurn | None, boundaries, cacheable=True, retention=()):
+    def begin(
+        self,
+        tenant: Tenant,
+        prompt: list[int],
+        chat: ChatTurn | None,
+        boundaries,
+        cacheable=True,
+        retention=(),
+        vision=None,
+    ):
         """A request was tokenized: track it and fetch its longest stored prefix.
 
         Returns the prompt to hand mlx_lm.server (its lifetime is the request's)
         and the positions where the store asks for checkpoints. retention: how
         long to keep what it stores, (end, class) per prefix, (None, class) for
-        all of it (StoreRequest.retention).
+        all of it (StoreRequest.retention). vision: the VisionPrompt of a prompt
+        with images (`prompt` its keys), whose hit never ends inside an image
+        (mlx-lm's image path embeds whole images past it).
         """
         prompt = list(prompt)
         self.inserts.run_deferred()  # the fetch finds every part of a prompt handed over before it
         if self.inserts.settings.replies_before_fetch and self.inserts.has_background:
             self.inserts.run_replies_of(prompt)  # and its own conversation's last reply
-        request = InFlightRequest(tenant, prompt, chat, retention=tuple(retention))
+        request = InFlightRequest(tenant, prompt, chat, retention=tuple(retention), vision=vision)
         tracked: TrackedPrompt = self.inflight.track(request)
         hit = None
         if cacheable and self.model is not None:
             with self._timed():
                 hit = self._fetch(tenant, request.prompt, boundaries)
+                inside = (
+                    next((s for s in vision.spans if s.start < hit.length < s.end), None) if vision and hit else None
+                )
+                if inside is not None:  # restore to the image's start instead
+                    hit = self._fetch(tenant, request.prompt[: inside.start + 1], boundaries)
         self._pending = _Pending(request, hit)
         self.last_hit = hit.figures() if hit is not None else None
         return tracked, (hit.checkpoints if hit is not None else ())
@@ -254,12 +270,46 @@ class StoreCache:
         """
         pending, self._pending = self._pending, None
         if pending is None or model != self.model_key or pending.request.prompt != list(tokens):
-            return None, tokens  # not the request just tokenized (an image prompt's key): a miss
+            return None, tokens  # not the request just tokenized: a miss
         hit = pending.hit
+        if pending.request.vision is not None:
+            return self._prefilled(pending, tokens)
         if hit is None or hit.length == 0:
             return None, tokens
         self.counts["restored_tokens"] += hit.length
         return hit.cache, tokens[hit.length :]
+
+    def _prefilled(self, pending: _Pending, tokens: list[int]):
+        """A prompt with images: its caches bound to its positions and prefilled to its
+        last token, storing the hit's checkpoints and the prompt as it goes
+        (mlx-lm's image path stores nothing before its reply: serve/vision.py)."""
+        hit = pending.hit
+        restored = hit.length if hit is not None else 0
+        cache = hit.cache if restored else C.make_prompt_cache(self.model)
+        self.model.bind(cache, pending.request.vision)
+        self.counts["restored_tokens"] += restored
+        points = hit.checkpoints if hit is not None else ()
+        done = self.model.prefill(
+            pending.request.vision,
+            cache,
+            restored,
+            points,
+            self.prefill_step,
+            lambda at: self._store_part(tokens, cache, at),
+        )
+        return cache, tokens[done:]
+
+    def _store_part(self, tokens: list[int], cache: list, at: int) -> None:
+        """Store `tokens[:at]` from `cache`, which is at `at` and goes on prefilling
+        (the insert waits, with caches of its own); a failure is logged and skipped."""
+        try:
+            held = C.make_prompt_cache(self.model)
+            if not C.restore_prompt_cache(held, C.snapshot_prompt_cache(cache), at):
+                raise CacheError(f"the prompt's caches could not be copied at {at}")
+        except PromptStoreError as e:
+            log.warning("part of an image prompt (%d tokens) not stored: %s", at, e)
+            return
+        self.insert_cache(self.model_key, tokens[:at], held)
 
     # --- insert -------------------------------------------------------------------
 
@@ -305,7 +355,7 @@ class StoreCache:
         chat reply's job (stored as the next turn renders it), else None."""
         nothing = None, False, frozenset(), False, None
         if model_key != self.model_key or not tokens or min(tokens) < 0:
-            return nothing  # another model, or an image prompt's key (negative placeholder ids)
+            return nothing  # another model, or mlx-lm's own image key (negative placeholder ids)
         owners = self.inflight.owners(tokens)
         tenants = {o.tenant for o in owners}
         if len(tenants) != 1:
@@ -323,7 +373,7 @@ class StoreCache:
         space = self._space_for(tenant, cache)
         within_prompt = any(len(tokens) <= len(o.prompt) for o in owners)
         kept = _kept(owners)
-        turn = any(o.chat is not None for o in owners)  # a chat's: a client comes back to it
+        turn = any(o.chat is not None or o.vision is not None for o in owners)  # a chat's: a client comes back
         ranged = all(getattr(c, "role", None) == "range" for c in cache)
         if reply_of is not None and self.reply_tokens == "rendered":
             job = ReplyJob(space, reply_of, tokens, usable, cache, kept)

@@ -10,9 +10,10 @@ import copy
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from ..errors import ServeRequestError
+from ..errors import ImageInputError, ServeRequestError
 from .mlx_lm_server import CompletionRequest
 from .tenants import PUBLIC, Tenant
+from .vision import has_images, render_images
 
 PIECE_CHARS = 1 << 14  # text is counted in pieces of about this many characters, cut at whitespace
 
@@ -69,6 +70,16 @@ def check_prompt(generator, request, chat_template_kwargs, tenant: Tenant = PUBL
     if request.request_type == "text":
         prompt = _text_tokens(tokenizer, request.prompt, provider.vocab_size)
         rendered = Rendered(prompt, [prompt], ["assistant"], "normal", None)
+    elif provider.vision is None and provider.processor is None and has_images(request.messages):
+        raise ServeRequestError("this model takes no images (serve a vision-language model's folder for them)")
+    elif provider.vision is not None and has_images(request.messages):
+        # Rendered here to refuse a bad image with a 400; the generation thread renders it again.
+        kwargs = generator.template_kwargs(chat_template_kwargs)
+        try:
+            prompt, *_ = render_images(provider.vision, provider.tokenizer, request.messages, request.tools, kwargs)
+        except ImageInputError as e:
+            raise ServeRequestError(str(e), param=e.part) from None
+        rendered = None
     else:
         probe = CompletionRequest("chat", "", copy.deepcopy(request.messages), request.tools, request.role_mapping)
         args = SimpleNamespace(chat_template_kwargs=chat_template_kwargs)

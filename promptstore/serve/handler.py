@@ -12,7 +12,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..errors import ServeRequestError
+from ..errors import ImageInputError, ServeRequestError
 from ..store.retention import CLASSES
 from . import apis
 from .apis.exchange import failure
@@ -22,6 +22,7 @@ from .door import drain, read_body
 from .mlx_lm_server import APIHandler
 from .schemas import ChatCompletionBody, CompletionBody, checked
 from .tenants import PUBLIC, Tenant
+from .vision import refuse_remote_images
 
 log = logging.getLogger("promptstore.serve")
 
@@ -176,9 +177,14 @@ class StoreHandler(HeadDeadline, APIHandler):
         chat = COMPLETIONS[route] is ChatCompletionBody
         try:
             self._take(checked(COMPLETIONS[route], body), body)
+            if chat:
+                refuse_remote_images(body.get("messages"))  # before mlx-lm's handler would download them
             request = self.handle_chat_completions() if chat else self.handle_text_completions()
         except ServeRequestError as e:
             self._error(e.status, str(e), e.param)
+            return
+        except ImageInputError as e:
+            self._error(400, str(e), e.part)
             return
         except Exception as e:  # mlx_lm.server's own reading (an image it cannot fetch, say)
             self._error(400, f"the request cannot be read: {e}")

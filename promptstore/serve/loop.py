@@ -30,8 +30,9 @@ from .checks import Rendered
 from .metrics import HitFigures, MetricsAccess, ServeMetrics
 from .mlx_lm_server import ResponseGenerator
 from .replies import ChatTurn
-from .tenants import PUBLIC, KeyRing
+from .tenants import PUBLIC, KeyRing, TrackedPrompt
 from .timeline import logged
+from .vision import has_images, render_images
 
 if TYPE_CHECKING:
     from .provider import StoreModelProvider
@@ -71,7 +72,7 @@ class StoreResponseGenerator(ResponseGenerator):
         self.group = cache.store.group
         args = provider.cli_args
         self.arrivals = Arrivals(bound=args.arrival_wait)
-        self.metrics = ServeMetrics(cache.store, provider.public_id, keyring)
+        self.metrics = ServeMetrics(cache.store, provider.public_id, keyring, vision=provider.vision_counts)
         self.metrics_access = MetricsAccess(args.metrics, getattr(args, "metrics_key", None), keyring)
         self.metrics_access.warn()
         # Requests whose replies are still coming (their response queues): a
@@ -363,6 +364,8 @@ class StoreResponseGenerator(ResponseGenerator):
     def tokenize(self, tokenizer, request, args):
         getattr(request, "timeline", {})["tokenize"] = time.perf_counter()
         self.check_stop_words(tokenizer, args.stop_words)  # a bad one fails this request alone
+        if self.model_provider.vision is not None and has_images(getattr(request, "messages", None)):
+            return self._tokenize_images(tokenizer, request, args)
         rendered: Rendered | None = getattr(request, "rendered", None)
         messages = getattr(request, "messages", None)
         if rendered is not None:
@@ -387,14 +390,37 @@ class StoreResponseGenerator(ResponseGenerator):
         timeline["fetched"] = time.perf_counter()
         self.arrivals.gather()  # a burst's other requests, still being checked, prefill with this one
         timeline["gathered"] = time.perf_counter()
+        self._note_hit(timeline)
+        segments, kinds = split_segments(segments, kinds, checkpoints)
+        return tracked, segments, kinds, state, vision
+
+    def _tokenize_images(self, tokenizer, request, args):
+        """A chat with images for a vision-language model (serve/vision.py): fetched and
+        tracked by its image keys, which mlx-lm's image path hands the cache back."""
+        kwargs = self.template_kwargs(args.chat_template_kwargs)
+        ids, state, vision, prompt = render_images(
+            self.model_provider.vision, tokenizer, request.messages, request.tools, kwargs
+        )
+        timeline = getattr(request, "timeline", {})
+        timeline["fetch"] = time.perf_counter()
+        tenant, retention = getattr(request, "tenant", PUBLIC), getattr(request, "retention", ())
+        tracked, _ = self.store_cache.begin(tenant, vision.cache_key, None, [], retention=retention, vision=prompt)
+        vision.cache_key = tracked  # what mlx-lm fetches and inserts by; the request is in flight while it lives
+        timeline["fetched"] = time.perf_counter()
+        self._note_hit(timeline)
+        hit = self.store_cache.last_hit
+        timeline["restored_length"] = hit.length if hit is not None else 0  # the store prefills the rest
+        shown = TrackedPrompt(ids)  # mlx-lm's GenerationContext holds the ids: they name the request too
+        shown.request = tracked.request
+        return shown, [ids], ["assistant"], state, vision
+
+    def _note_hit(self, timeline: dict) -> None:
         hit = self.store_cache.last_hit
         timeline["restored"] = HitFigures.of(hit)  # for /metrics, when the request ends
         timeline["matched"] = hit.matched if hit is not None else 0  # held by the store (apis' usage)
         if hit is not None and hit.length:
             timeline["from_disk"] = hit.cold_tokens
             timeline["plan"] = hit.plan.mode if hit.plan is not None else "memory"
-        segments, kinds = split_segments(segments, kinds, checkpoints)
-        return tracked, segments, kinds, state, vision
 
     def template_kwargs(self, overrides: dict | None) -> dict:
         """The chat template's arguments: the server's, updated by a request's."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,9 @@ class ServeMetrics:
     """The server's registry: request metrics labelled by the served model (and,
     with --api-keys, counts by tenant label), plus a collector of the store's."""
 
-    def __init__(self, store: PromptStore, model: str, keyring: KeyRing):
+    def __init__(
+        self, store: PromptStore, model: str, keyring: KeyRing, vision: Callable[[], dict | None] = lambda: None
+    ):
         self.model = model
         # *_created series are noise on a scrape; the switch is process-wide, and this process serves.
         disable_created_metrics()
@@ -59,6 +62,7 @@ class ServeMetrics:
             self._tenant_metrics(keyring.tenants())
         self.store_collector = StoreCollector(store)
         self.registry.register(self.store_collector)
+        self.registry.register(VisionCollector(model, vision))
 
     def ranks(self, figures: list[StoreMetrics]) -> None:
         """Every rank's store figures, as a group last gathered them (by rank; this
@@ -187,6 +191,34 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VisionCollector:
+    """A vision-language model's prompts with images: those whose embeddings ran the
+    vision tower, and those whose hit covered every image so that it did not
+    (read at each scrape; nothing for a text model)."""
+
+    def __init__(self, model: str, counts: Callable[[], dict | None]):
+        self.model, self.counts = model, counts  # None: the model takes no images
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        counts = self.counts()
+        if counts is None:
+            return
+        for name, key, doc in (
+            ("promptstore_vision_encoder_runs", "vision_runs", "Prompts with images whose vision tower ran"),
+            (
+                "promptstore_vision_encoder_skipped",
+                "vision_skipped",
+                "Prompts whose hit covered every image: no vision tower",
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            family.add_metric([self.model], counts.get(key, 0))
+            yield family
 
 
 class StoreCollector:

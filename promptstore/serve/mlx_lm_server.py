@@ -85,6 +85,7 @@ check_version(installed_version(), pinned_range())
 
 # Imported once its version is known to be one this module was written for.
 from mlx_lm import server as _server  # noqa: E402
+from mlx_lm import utils as _utils  # noqa: E402
 
 # mlx-lm's public names the rest of serve/ builds on.
 CompletionRequest = _server.CompletionRequest
@@ -94,6 +95,8 @@ ModelDescription = _server.ModelDescription
 SamplingArguments = _server.SamplingArguments
 ToolCallFormatter = _server.ToolCallFormatter
 process_message_content = _server.process_message_content
+Vision = _server.Vision  # a prompt's images as mlx-lm's image path takes them (serve/vision.py)
+load_tokenizer = _utils.load_tokenizer  # what mlx-lm's load reads a folder's tokenizer with
 maybe_set_recommended_wired_limit = _server.maybe_set_recommended_wired_limit
 
 
@@ -150,11 +153,16 @@ class ModelProvider(_server.ModelProvider):
         # model asked for is not the one loaded; no public hook runs just before
         # the weights are read and just after (where the store binds to them).
         self.before_load()
-        super()._load(model_path, adapter_path, draft_model_path)
+        self.load_weights(model_path, adapter_path, draft_model_path)
         self.after_load()
 
     def before_load(self) -> None:
         """Called before the model's weights are read (generation thread)."""
+
+    def load_weights(self, model_path, adapter_path=None, draft_model_path=None) -> None:
+        """Load the model, tokenizer and draft model as mlx-lm's _load does (a subclass
+        loads other kinds of model: serve/vision.py)."""
+        super()._load(model_path, adapter_path, draft_model_path)
 
     def after_load(self) -> None:
         """Called once the model, tokenizer and draft model are set (generation thread)."""

@@ -83,6 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_options(group) -> None:
     group.add_argument("--store", help="store directory (default: $PROMPTSTORE_HOME or the user cache)")
     group.add_argument(
+        "--allowed-image-folder",
+        action="append",
+        metavar="DIR",
+        help="a vision-language model reads image files (file:// or a path) from under DIR (repeatable); "
+        "without one only data URLs and base64 are taken. Remote URLs are always refused",
+    )
+    group.add_argument(
+        "--max-images",
+        type=int,
+        default=16,
+        metavar="N",
+        help="images one request may carry to a vision-language model (default: 16)",
+    )
+    group.add_argument(
         "--model-id",
         help="identity to key the store by, vouched for by you (default: a digest of the weights, "
         "computed once at start)",

@@ -21,6 +21,7 @@ from .libraries import read_libraries, runtime_libraries
 from .mlx_lm_server import ModelProvider, hf_tokenizer
 from .pieces import Pieces, PieceTokenizer
 from .tenants import Tenant
+from .vision import ServedVisionModel, load_vision, vision_folder
 
 log = logging.getLogger("promptstore.serve")
 
@@ -53,6 +54,21 @@ class StoreModelProvider(ModelProvider):
         if not self.served(model_path, adapter_path, draft_model_path):
             raise ServeRequestError(f"model {model_path!r} is not served here", status=404)
         return super().load("default_model", None, "default_model")
+
+    def load_weights(self, model_path, adapter_path=None, draft_model_path=None) -> None:
+        if vision_folder(model_path):
+            load_vision(self, model_path)  # an mlx-vlm folder (serve/vision.py)
+        else:
+            super().load_weights(model_path, adapter_path, draft_model_path)
+
+    @property
+    def vision(self) -> ServedVisionModel | None:
+        """The model, where it takes images."""
+        return self.model if isinstance(self.model, ServedVisionModel) else None
+
+    def vision_counts(self) -> dict | None:
+        """The vision tower's runs and skips (None: the model takes no images)."""
+        return self.vision.vision.counts() if self.vision is not None else None
 
     def before_load(self) -> None:
         first = self.cli_args.warm_start_first

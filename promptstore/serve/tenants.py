@@ -83,6 +83,7 @@ class InFlightRequest:
     chat: Any = None  # a replies.ChatTurn for chat requests
     first_out: bool = False  # its first token has been handed out
     retention: tuple = ()  # (end, class) per marked prefix, (None, class) for all it stores
+    vision: Any = None  # a prompt with images: its VisionPrompt (its tokens are image keys)
 
 
 class TrackedPrompt(list):

@@ -22,6 +22,10 @@ def logged(request, ctx, responses, timeline: dict, busy_between, metrics):
             if "first" not in timeline:
                 timeline["first"] = time.perf_counter()
                 first_token_out(ctx)
+                if "restored_length" in timeline:
+                    # A prompt with images, prefilled by the store before mlx-lm took it
+                    # (serve/vision.py): mlx-lm counted that as cached; the fetch restored this.
+                    ctx.prompt_cache_count = timeline["restored_length"]
             produced += 1
             yield response
     finally:

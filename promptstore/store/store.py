@@ -312,6 +312,8 @@ def _not_a_folder(root: Path) -> None:
             if path.is_dir():
                 return
             if path.exists():
+                if path.is_dir():
+                    return  # made meanwhile: another process preparing the same folder (a group's ranks)
                 kind = "a file" if path.is_file() else "not a regular file"
                 raise StoreDirectoryError(f"{path} is {kind}, not a folder")
         except OSError:

@@ -6,8 +6,10 @@ template, so servers and other processes load it as they would a real model.
 
 writes one to OUT (a new or empty directory), for `promptstore serve --model OUT`
 without a model at hand; FAMILY is one of promptstore.testing.models.FAMILIES
-(default llama). A random-weight model writes nonsense: what to look at is what
-the store restores."""
+(default llama), or a vision-language family of
+promptstore.testing.vision_models.VISION_FAMILIES (an mlx-vlm folder, with its
+processor's config, that `mlx_vlm.load` reads). A random-weight model writes
+nonsense: what to look at is what the store restores."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from mlx.utils import tree_flatten
 from .models import FAMILIES, model_args, tiny_model
 from .round_trip import round_trip_replies
 from .tokenizer import demo_tokenizer
+from .vision_models import VISION_FAMILIES, write_vision_dir
 
 REPLIES = ("random", "round-trip")
 
@@ -83,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     prog = "python -m promptstore.testing.model_dir"
     p = _Arguments(prog=prog, description="Write a tiny random-weight model directory that mlx_lm.load reads.")
     p.add_argument("out", metavar="OUT", help="the directory to write (new, or empty)")
-    p.add_argument("--family", default="llama", choices=FAMILIES, help="the model family (default: llama)")
+    p.add_argument(
+        "--family",
+        default="llama",
+        choices=FAMILIES + VISION_FAMILIES,
+        help="the model family (default: llama); qwen2_vl, qwen2_5_vl and gemma3 take images (mlx-vlm)",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     written = False
@@ -92,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             raise FileExistsError(f"{out}: exists and is not an empty directory; expected a new one for the model")
         created = not out.exists()
         written = True
-        write_model_dir(out, args.family)
+        if args.family in VISION_FAMILIES:
+            write_vision_dir(out, args.family)
+        else:
+            write_model_dir(out, args.family)
         _check_loads(out, args.family)
     except Exception as e:  # noqa: BLE001 - a person gets one line
         if written:  # what this run wrote goes: a directory mlx_lm.load cannot read is no use
@@ -100,18 +111,25 @@ def main(argv: list[str] | None = None) -> int:
         text = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
         print(f"{prog}: error: {' '.join(text.split())}", file=sys.stderr)
         return 1
-    print(f"wrote a random-weight {args.family} model and its tokenizer to {out}")
+    kind = "vision-language model, its processor" if args.family in VISION_FAMILIES else "model"
+    print(f"wrote a random-weight {args.family} {kind} and its tokenizer to {out}")
     return 0
 
 
 def _check_loads(path: Path, family: str) -> None:
-    """mlx_lm.load reads the directory, or a ValueError says why not."""
-    from mlx_lm import load
+    """mlx_lm.load (mlx_vlm.load for a vision family) reads the directory, or a ValueError says why not."""
+    if family in VISION_FAMILIES:
+        from mlx_vlm import load
 
+        reader = "mlx_vlm.load"
+    else:
+        from mlx_lm import load
+
+        reader = "mlx_lm.load"
     try:
         load(str(path))
     except Exception as e:  # noqa: BLE001 - said in the error
-        raise ValueError(f"mlx_lm.load cannot read the {family} directory written: {e}") from e
+        raise ValueError(f"{reader} cannot read the {family} directory written: {e}") from e
 
 
 def _remove_written(out: Path, created: bool) -> None:

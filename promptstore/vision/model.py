@@ -127,17 +127,18 @@ class VisionModel(nn.Module):
         whose hit covered every image so that it did not (`vision_skipped`)."""
         return self._tally.read()
 
-    def _count(self, name: str) -> None:
+    def count(self, name: str) -> None:
         self._tally.add(name)
 
     # --- prompts ------------------------------------------------------------------------
 
-    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> tuple[str, list]:
+    def render(self, messages: Sequence[dict], **template_kwargs) -> tuple[str, list]:
         """The chat template's text of `messages` and their images, in order.
 
         A message's content is a string or a list of parts: {"type": "text", "text": ...}
         and {"type": "image", "image": source} (a PIL image, bytes, a data URL, base64,
-        or a file under the allowed folders: promptstore.vision.images)."""
+        or a file under the allowed folders: promptstore.vision.images). template_kwargs:
+        the chat template's (tools, say), beside add_generation_prompt=True."""
         images, rendered = [], []
         for i, message in enumerate(messages):
             content = message.get("content")
@@ -145,26 +146,26 @@ class VisionModel(nn.Module):
                 parts = []
                 for j, part in enumerate(content):
                     if part.get("type") == "image":
+                        where = part.get("where") or f"messages[{i}].content[{j}]"  # the caller's name for it
                         if len(images) >= self._limits.max_images:
-                            raise ImageInputError(
-                                f"more than {self._limits.max_images} images", f"messages[{i}].content[{j}]"
-                            )
-                        images.append(load_image(part.get("image"), f"messages[{i}].content[{j}]", self._limits))
+                            raise ImageInputError(f"more than {self._limits.max_images} images", where)
+                        images.append(load_image(part.get("image"), where, self._limits))
                         parts.append({"type": "image"})
                     else:
                         parts.append(part)
                 message = dict(message, content=parts)
             rendered.append(message)
-        text = self.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt)
+        template_kwargs.setdefault("add_generation_prompt", True)
+        text = self.tokenizer.apply_chat_template(rendered, tokenize=False, **template_kwargs)
         return text, images
 
-    def prompt(self, messages: Sequence[dict] | str, images: Sequence = ()) -> VisionPrompt:
+    def prompt(self, messages: Sequence[dict] | str, images: Sequence = (), **template_kwargs) -> VisionPrompt:
         """A VisionPrompt of chat `messages` (see render), or of a rendered `text` and its `images`."""
         if isinstance(messages, str):
             text = messages
             images = [load_image(im, f"images[{k}]", self._limits) for k, im in enumerate(images)]
         else:
-            text, images = self.render(messages)
+            text, images = self.render(messages, **template_kwargs)
         try:
             processed = self._processor(images=images or None, text=[text], return_tensors="np")
         except Exception as e:  # noqa: BLE001 - the processor's refusal, said as the caller's error
@@ -209,12 +210,12 @@ class VisionModel(nn.Module):
         """Input embeddings of positions [start, n) (1, n - start, hidden)."""
         ids = mx.array(prompt.ids[None])
         if any(span.end > start for span in prompt.spans):
-            self._count("vision_runs")
+            self.count("vision_runs")
             kwargs = {k: v for k, v in prompt.inputs.items() if k != "pixel_values"}
             out = self.vlm.get_input_embeddings(ids, prompt.inputs["pixel_values"], **kwargs)
             return out.inputs_embeds[:, start:]
         if prompt.spans:
-            self._count("vision_skipped")
+            self.count("vision_skipped")
         return self.vlm.get_input_embeddings(ids[:, start:], None).inputs_embeds
 
     def forward(self, prompt: VisionPrompt, cache: list, start: int, embeddings: mx.array) -> mx.array:
@@ -225,9 +226,21 @@ class VisionModel(nn.Module):
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         """mlx-lm's model protocol for text tokens alone (what the store itself runs to
         learn its caches' shapes): a prompt with images goes through forward/decoder."""
-        offset = int(cache[0].offset) if cache else 0
-        text = VisionPrompt(np.zeros(0, np.int64), np.zeros(0, "<u4"), (), {}, None, 0)
-        return self._language(inputs, None, cache, offset, text)
+        return self.text_forward(inputs, cache)
+
+    def text_forward(self, inputs: mx.array, cache=None, embeddings: mx.array | None = None) -> mx.array:
+        """Logits of text positions continuing `cache` (a batch's caches too: each row at its offset)."""
+        kwargs = {}
+        if self._mrope:
+            offset = cache[0].offset if cache else 0
+            length = inputs.shape[1]
+            if isinstance(offset, mx.array) and offset.ndim > 0:
+                rows = offset[:, None] + mx.arange(length)[None]
+            else:
+                rows = mx.broadcast_to(mx.arange(int(offset), int(offset) + length)[None], (inputs.shape[0], length))
+            kwargs["position_ids"] = mx.broadcast_to(rows[None], (3, *rows.shape))
+        out = self.vlm.language_model(inputs, inputs_embeds=embeddings, cache=cache, **kwargs)
+        return getattr(out, "logits", out)
 
     def decoder(self, prompt: VisionPrompt) -> _Decoder:
         """An mlx-lm model (tokens or embeddings in, logits out) continuing `prompt`."""

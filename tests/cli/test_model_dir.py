@@ -50,3 +50,23 @@ def test_an_unknown_family_is_a_usage_error(tmp_path):
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "invalid choice" in done.stderr, done.stderr
     assert not (tmp_path / "model").exists()
+
+
+def test_writes_a_vision_language_folder_mlx_vlm_loads_and_serve_takes(tmp_path):
+    from PIL import Image
+
+    from promptstore.vision import VisionModel
+
+    done = run(tmp_path, "vlm", "--family", "qwen2_vl")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "wrote a random-weight qwen2_vl vision-language model, its processor and its tokenizer to vlm"
+    ]
+    model = VisionModel.load(tmp_path / "vlm")
+    image = Image.new("RGB", (64, 48), (200, 30, 30))
+    prompt = model.prompt(
+        [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "?"}]}]
+    )
+    assert len(prompt.spans) == 1 and prompt.spans[0].end > prompt.spans[0].start
+    logits = model.forward(prompt, model.make_cache(), 0, model.embed(prompt))
+    assert logits.shape[:2] == (1, len(prompt))

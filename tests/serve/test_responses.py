@@ -107,7 +107,13 @@ BAD = [
     ({"input": []}, "input", "input must be a string or a non-empty list"),
     ({"input": [{"role": "robot", "content": "Hi"}]}, "input[0].role", "input[0].role must be one of"),
     ({"input": [{"type": "web_search_call"}]}, "input[0].type", "'web_search_call' is not supported"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].type", "input_text"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].image_url", "data URL"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input[0].content[0].type", "input_text"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
+        None,
+        "this model takes no images",
+    ),
     (
         {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]},
         "input[0].arguments",

@@ -51,3 +51,20 @@ def function_tool(tool: dict, where: str, schema: str, *, schema_required: bool)
     if value is not None:
         function["parameters"] = obj(value, f"{where}.{schema}")
     return {"type": "function", "function": function}
+
+
+def image_part(url: str, where: str) -> dict:
+    """An image as a chat content part (OpenAI's image_url), naming where the client put it:
+    a bad image's 400 names that place (serve/vision.py)."""
+    if url.strip()[:8].lower().startswith(("http://", "https://")):
+        raise ServeRequestError(
+            f"{where}: remote image URLs are refused: this server fetches nothing; send the image as base64",
+            param=where,
+        )
+    return {"type": "image_url", "image_url": {"url": url}, "where": where}
+
+
+def with_part(content, part: dict) -> list[dict]:
+    """A message's content (None, a string or parts) with `part` after it, as parts."""
+    parts = [] if content is None else ([{"type": "text", "text": content}] if isinstance(content, str) else content)
+    return [*parts, part]

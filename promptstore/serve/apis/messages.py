@@ -210,7 +210,25 @@ class _Turn:
 
     def text(self, block: dict, where: str) -> None:
         message = self._message()
-        message["content"] = (message["content"] or "") + fields.text(block.get("text"), f"{where}.text")
+        text = fields.text(block.get("text"), f"{where}.text")
+        if isinstance(message["content"], list):  # after an image: a part of its own
+            message["content"] = fields.with_part(message["content"], {"type": "text", "text": text})
+        else:
+            message["content"] = (message["content"] or "") + text
+
+    def image(self, block: dict, where: str) -> None:
+        """An image block: base64 data becomes a data URL; a URL source is refused (nothing is fetched)."""
+        source = fields.obj(fields.required(block, "source", f"{where}.source"), f"{where}.source")
+        if source.get("type") != "base64":
+            raise fields.bad(f"{where}.source.type", "'base64' (this server fetches nothing)", source.get("type"))
+        media = fields.text(
+            fields.required(source, "media_type", f"{where}.source.media_type"), f"{where}.source.media_type"
+        )
+        data = fields.text(fields.required(source, "data", f"{where}.source.data"), f"{where}.source.data")
+        message = self._message()
+        message["content"] = fields.with_part(
+            message["content"], fields.image_part(f"data:{media};base64,{data}", where)
+        )
 
     def tool_use(self, block: dict, where: str) -> None:
         call_id = fields.text(fields.required(block, "id", f"{where}.id"), f"{where}.id")
@@ -251,7 +269,7 @@ def _type_of(part):
 
 
 BLOCKS = {
-    "user": {"text": _Turn.text, "tool_result": _Turn.tool_result},
+    "user": {"text": _Turn.text, "image": _Turn.image, "tool_result": _Turn.tool_result},
     "assistant": {
         "text": _Turn.text,
         "tool_use": _Turn.tool_use,

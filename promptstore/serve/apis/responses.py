@@ -118,19 +118,27 @@ def _message(item: dict, where: str, conversation: Conversation) -> None:
     conversation.add({"role": ROLES[role], "content": _text(content, f"{where}.content")})
 
 
-def _text(content, where: str) -> str:
-    """A string, or text parts joined (as mlx_lm.server joins content parts)."""
+def _text(content, where: str) -> str | list[dict]:
+    """A string, or text parts joined (as mlx_lm.server joins content parts); with an
+    input_image among them, chat content parts in their order."""
     if isinstance(content, str):
         return content
     parts = fields.array(content, where, "a string or a list of content parts")
-    texts = []
+    out: str | list[dict] = ""
     for j, part in enumerate(parts):
         at = f"{where}[{j}]"
         fields.obj(part, at)
+        if part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise fields.bad(f"{at}.image_url", "a data URL (this server takes no file_id)", url)
+            out = fields.with_part(out or None, fields.image_part(url, at))
+            continue
         if part.get("type") not in TEXT_PARTS:
-            raise fields.bad(f"{at}.type", "input_text or output_text (this server takes text)", part.get("type"))
-        texts.append(fields.text(part.get("text"), f"{at}.text"))
-    return "".join(texts)
+            raise fields.bad(f"{at}.type", "input_text, output_text or input_image", part.get("type"))
+        text = fields.text(part.get("text"), f"{at}.text")
+        out = fields.with_part(out, {"type": "text", "text": text}) if isinstance(out, list) else out + text
+    return out
 
 
 def _function_call(item: dict, where: str, conversation: Conversation) -> None:
@@ -153,6 +161,8 @@ def _function_call(item: dict, where: str, conversation: Conversation) -> None:
 def _function_output(item: dict, where: str, conversation: Conversation) -> None:
     call_id = fields.text(fields.required(item, "call_id", f"{where}.call_id"), f"{where}.call_id")
     output = _text(fields.required(item, "output", f"{where}.output"), f"{where}.output")
+    if isinstance(output, list):
+        raise fields.bad(f"{where}.output", "text (this server takes no images in a function's output)", output)
     conversation.add({"role": "tool", "tool_call_id": call_id, "content": output})
 
 
