@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from ..errors import ImageInputError, ServeRequestError
 from .mlx_lm_server import CompletionRequest
 from .tenants import PUBLIC, Tenant
-from .vision import has_images, render_images
+from .vision import RenderedImages, has_images, render_images
 
 PIECE_CHARS = 1 << 14  # text is counted in pieces of about this many characters, cut at whitespace
 
@@ -42,7 +42,7 @@ class StoreRequest(CompletionRequest):
 
     tenant: Tenant = PUBLIC
     timeline: dict = field(default_factory=dict)
-    rendered: Rendered | None = None
+    rendered: Rendered | RenderedImages | None = None
     arrival: int | None = None  # its token in Arrivals until it is queued
     # How long to keep what it stores: (end, class) per marked prefix, (None, class)
     # for all of it (store/retention.py); and the client's prompt_cache_key.
@@ -56,10 +56,10 @@ def prompt_limit(generator) -> int | None:
     return given if given is not None else generator.model_provider.max_positions
 
 
-def check_prompt(generator, request, chat_template_kwargs, tenant: Tenant = PUBLIC) -> Rendered | None:
+def check_prompt(generator, request, chat_template_kwargs, tenant: Tenant = PUBLIC) -> Rendered | RenderedImages | None:
     """Render and tokenize the prompt, or ServeRequestError (before anything is
     queued). Returns the result for the generation thread to use as it is
-    (None for a prompt with images, which mlx_lm.server renders itself)."""
+    (None for a prompt with images to a model mlx_lm.server renders them for)."""
     provider = generator.model_provider
     tokenizer = provider.tokenizer
     if tokenizer is None:
@@ -76,10 +76,10 @@ def check_prompt(generator, request, chat_template_kwargs, tenant: Tenant = PUBL
         # Rendered here to refuse a bad image with a 400; the generation thread renders it again.
         kwargs = generator.template_kwargs(chat_template_kwargs)
         try:
-            prompt, *_ = render_images(provider.vision, provider.tokenizer, request.messages, request.tools, kwargs)
+            rendered = render_images(provider.vision, provider.tokenizer, request.messages, request.tools, kwargs)
         except ImageInputError as e:
             raise ServeRequestError(str(e), param=e.part) from None
-        rendered = None
+        prompt = rendered.ids
     else:
         probe = CompletionRequest("chat", "", copy.deepcopy(request.messages), request.tools, request.role_mapping)
         args = SimpleNamespace(chat_template_kwargs=chat_template_kwargs)

@@ -32,7 +32,7 @@ from .mlx_lm_server import ResponseGenerator
 from .replies import ChatTurn
 from .tenants import PUBLIC, KeyRing, TrackedPrompt
 from .timeline import logged
-from .vision import has_images, render_images
+from .vision import RenderedImages, has_images, render_images
 
 if TYPE_CHECKING:
     from .provider import StoreModelProvider
@@ -364,9 +364,13 @@ class StoreResponseGenerator(ResponseGenerator):
     def tokenize(self, tokenizer, request, args):
         getattr(request, "timeline", {})["tokenize"] = time.perf_counter()
         self.check_stop_words(tokenizer, args.stop_words)  # a bad one fails this request alone
+        rendered: Rendered | RenderedImages | None = getattr(request, "rendered", None)
+        if isinstance(rendered, RenderedImages):
+            return self._tokenize_images(request, rendered)
         if self.model_provider.vision is not None and has_images(getattr(request, "messages", None)):
-            return self._tokenize_images(tokenizer, request, args)
-        rendered: Rendered | None = getattr(request, "rendered", None)
+            kwargs = self.template_kwargs(args.chat_template_kwargs)  # a request not checked first (a test's)
+            images = render_images(self.model_provider.vision, tokenizer, request.messages, request.tools, kwargs)
+            return self._tokenize_images(request, images)
         messages = getattr(request, "messages", None)
         if rendered is not None:
             prompt, segments, kinds, state, vision = rendered.unpack()
@@ -394,13 +398,10 @@ class StoreResponseGenerator(ResponseGenerator):
         segments, kinds = split_segments(segments, kinds, checkpoints)
         return tracked, segments, kinds, state, vision
 
-    def _tokenize_images(self, tokenizer, request, args):
+    def _tokenize_images(self, request, images: RenderedImages):
         """A chat with images for a vision-language model (serve/vision.py): fetched and
         tracked by its image keys, which mlx-lm's image path hands the cache back."""
-        kwargs = self.template_kwargs(args.chat_template_kwargs)
-        ids, state, vision, prompt = render_images(
-            self.model_provider.vision, tokenizer, request.messages, request.tools, kwargs
-        )
+        ids, state, vision, prompt = images.ids, images.state, images.vision(), images.prompt
         timeline = getattr(request, "timeline", {})
         timeline["fetch"] = time.perf_counter()
         tenant, retention = getattr(request, "tenant", PUBLIC), getattr(request, "retention", ())

@@ -221,15 +221,27 @@ def refuse_remote_images(messages) -> None:
                     )
 
 
+@dataclass
+class RenderedImages:
+    """A chat with images as the model's processor rendered it (on the HTTP thread,
+    when the request is checked: the generation thread takes it as it is)."""
+
+    ids: list[int]
+    state: str  # mlx-lm's initial state of the reply's text (normal, or reasoning)
+    prompt: object  # the VisionPrompt
+
+    def vision(self) -> Vision:
+        """mlx-lm's Vision of it: the image keys as the cache key, references as pixel values."""
+        refs = [ImageRef(self.prompt, k) for k in range(len(self.prompt.spans))]
+        starts = [s.start for s in self.prompt.spans]
+        return Vision(pixel_values=refs, starts=starts, cache_key=[int(k) for k in self.prompt.keys])
+
+
 def render_images(model: ServedVisionModel, tokenizer, messages: list[dict], tools, template_kwargs: dict):
-    """(token ids, initial state, mlx-lm's Vision, the VisionPrompt) of a chat with images."""
-    vision = model.vision
-    prompt = vision.prompt(chat_parts(messages), tools=tools, **template_kwargs)
+    """The RenderedImages of a chat with images (ImageInputError for a bad image)."""
+    prompt = model.vision.prompt(chat_parts(messages), tools=tools, **template_kwargs)
     ids = [int(t) for t in prompt.ids]
     state = "normal"
     if tokenizer.has_thinking and tokenizer.rfind_think_start(ids) > tokenizer.rfind_think_end(ids):
         state = "reasoning"
-    state = tokenizer.response_initial_state or state
-    refs = [ImageRef(prompt, k) for k in range(len(prompt.spans))]
-    seen = Vision(pixel_values=refs, starts=[s.start for s in prompt.spans], cache_key=[int(k) for k in prompt.keys])
-    return ids, state, seen, prompt
+    return RenderedImages(ids, tokenizer.response_initial_state or state, prompt)

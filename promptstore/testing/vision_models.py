@@ -109,6 +109,9 @@ def write_vision_dir(
     path.mkdir(parents=True, exist_ok=True)
     qwen = family != "gemma3"
     tokenizer = _tokenizer(vocab_size, _QWEN_SPECIAL if qwen else _GEMMA_SPECIAL, qwen)
+    # The corpus may not make `vocab_size` tokens: the model has as many as the tokenizer,
+    # so that every id it generates decodes.
+    vocab_size = min(vocab_size, len(tokenizer))
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (_QWEN_SPECIAL if qwen else _GEMMA_SPECIAL)}
     if qwen:
         config = _qwen_config(family, ids, vocab_size, text or {}, vision or {})

@@ -182,6 +182,9 @@ class VisionModel(nn.Module):
             ImageSpan(s, e, image_digest(im, self._processor_key)) for (s, e), im in zip(runs, images, strict=True)
         )
         positions, delta = self._positions(ids, inputs) if self._mrope else (None, 0)
+        # Computed now: a prompt made on one thread (a server's HTTP thread) is run on another,
+        # and MLX's streams are per thread.
+        mx.eval([v for v in inputs.values() if isinstance(v, mx.array)], positions if positions is not None else [])
         return VisionPrompt(ids, keyed_tokens(ids, spans), spans, inputs if images else {}, positions, delta)
 
     def _run_lengths(self, processed, n_images: int) -> list[int]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from .conftest import launch
 from .test_fidelity import _agreed, _faithful, _prompt
 
@@ -64,6 +66,7 @@ def test_another_ranks_store_in_its_place_is_not_restored_from(tmp_path, group_m
     _faithful(ranks)
 
 
+@pytest.mark.slow  # two groups started in turn (50 s on 2 cores): `make test-slow`
 def test_a_group_of_another_size_starts_afresh(tmp_path, group_model):
     model = group_model("llama", num_attention_heads=4, num_key_value_heads=4)
     store, second, third = _stored(tmp_path, model)
