@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,13 +37,61 @@ class ImageLimits:
 DEFAULT_LIMITS = ImageLimits()
 
 
+class _Decoded:
+    """Images decoded lately, by a SHA-256 of what was sent: a chat resends every earlier
+    image with each turn, and decoding a 1024x768 PNG takes 30 ms of a CPU core. The key is
+    a cryptographic hash of the encoded bytes, so one source never gets another's image."""
+
+    def __init__(self, entries: int = 64):
+        self._entries, self._lock = entries, threading.Lock()
+        self._images: OrderedDict[bytes, object] = OrderedDict()
+
+    def get(self, key: bytes):
+        with self._lock:
+            image = self._images.get(key)
+            if image is not None:
+                self._images.move_to_end(key)
+            return image
+
+    def put(self, key: bytes, image) -> None:
+        with self._lock:
+            self._images[key] = image
+            while len(self._images) > self._entries:
+                self._images.popitem(last=False)
+
+
+_DECODED = _Decoded()
+
+
 def load_image(source, part: str, limits: ImageLimits = DEFAULT_LIMITS):
     """`source` as a decoded RGB PIL image: a PIL image, bytes, a `data:image/...;base64,`
-    URL, a `file://` URL or path under `limits.allowed_folders`, or bare base64."""
+    URL, a `file://` URL or path under `limits.allowed_folders`, or bare base64. Sent again
+    (the same bytes or text), an image is not decoded again."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
         return _checked(source, part, limits)
+    if isinstance(source, (str, bytes, bytearray, memoryview)) and not _is_file(source):
+        if len(source) > limits.max_bytes * 4 // 3 + 1024:  # more than base64 of max_bytes, or more bytes
+            raise ImageInputError(f"the image is over {limits.max_bytes} bytes", part)
+        key = hashlib.sha256(source.encode() if isinstance(source, str) else bytes(source)).digest()
+        image = _DECODED.get(key)
+        if image is None:
+            image = _load(source, part, limits)
+            image.info["promptstore_decoded"] = True  # ours, never changed: its digest may be kept
+            _DECODED.put(key, image)
+        return _checked(image, part, limits)
+    return _load(source, part, limits)
+
+
+def _is_file(source) -> bool:
+    if not isinstance(source, str):
+        return False
+    text = source.strip()
+    return text[:7].lower() == "file://" or text.startswith(("/", "./", "../", "~"))
+
+
+def _load(source, part: str, limits: ImageLimits):
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _decode(bytes(source), part, limits)
     if isinstance(source, os.PathLike):

@@ -52,12 +52,20 @@ def processor_digest(settings: dict) -> bytes:
 
 
 def image_digest(image, processor: bytes = b"") -> bytes:
-    """SHA-256 of a PIL image's RGB pixels and size, under `processor`'s digest."""
+    """SHA-256 of a PIL image's RGB pixels and size, under `processor`'s digest. An image
+    promptstore decoded itself (and keeps, unchanged: vision/images.py) is hashed once;
+    a caller's image, which its owner may draw on, every time."""
+    ours = image.info.get("promptstore_decoded", False)
+    known = image.info.get("promptstore_digest") if ours else None
+    if known is not None and known[0] == processor:
+        return known[1]
     rgb = image if image.mode == "RGB" else image.convert("RGB")
     h = hashlib.sha256(_DOMAIN)
     h.update(processor)
     h.update(np.array([rgb.width, rgb.height], dtype="<u4").tobytes())
     h.update(rgb.tobytes())
+    if ours:
+        image.info["promptstore_digest"] = (processor, h.digest())
     return h.digest()
 
 

@@ -33,6 +33,7 @@ import numpy as np
 from ..errors import ImageInputError, ModelPathError, UnsupportedCacheError
 from .images import DEFAULT_LIMITS, ImageLimits, load_image
 from .keys import ImageSpan, image_digest, keyed_tokens, placeholder_spans, processor_digest
+from .processing import CachedImages
 
 # Processor outputs that are not image tensors for get_input_embeddings.
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
@@ -76,6 +77,8 @@ class VisionModel(nn.Module):
         settings = settings.to_dict() if hasattr(settings, "to_dict") else {}
         settings["image_seq_length"] = getattr(processor, "image_seq_length", None)
         self._processor_key = processor_digest(settings)
+        if hasattr(processor, "image_processor"):  # each image processed once (vision/processing.py)
+            processor.image_processor = CachedImages(processor.image_processor, self._processor_key)
 
     @classmethod
     def load(cls, path: str | Path, *, limits: ImageLimits = DEFAULT_LIMITS) -> VisionModel:
@@ -212,14 +215,42 @@ class VisionModel(nn.Module):
     def embed(self, prompt: VisionPrompt, start: int = 0) -> mx.array:
         """Input embeddings of positions [start, n) (1, n - start, hidden)."""
         ids = mx.array(prompt.ids[None])
-        if any(span.end > start for span in prompt.spans):
+        needed = [k for k, span in enumerate(prompt.spans) if span.end > start]
+        if needed:
             self.count("vision_runs")
-            kwargs = {k: v for k, v in prompt.inputs.items() if k != "pixel_values"}
-            out = self.vlm.get_input_embeddings(ids, prompt.inputs["pixel_values"], **kwargs)
+            ids, inputs = self._only_images(prompt, needed)
+            kwargs = {k: v for k, v in inputs.items() if k != "pixel_values"}
+            out = self.vlm.get_input_embeddings(ids, inputs["pixel_values"], **kwargs)
             return out.inputs_embeds[:, start:]
         if prompt.spans:
             self.count("vision_skipped")
         return self.vlm.get_input_embeddings(ids[:, start:], None).inputs_embeds
+
+    def _only_images(self, prompt: VisionPrompt, needed: list[int]) -> tuple[mx.array, dict]:
+        """The prompt's ids and image tensors for embedding only the images `needed` (those
+        past a hit): the others' placeholders become padding, whose embeddings lie before
+        the hit and are dropped, so the vision tower never sees those images."""
+        ids = mx.array(prompt.ids[None])
+        if len(needed) == len(prompt.spans):
+            return ids, prompt.inputs
+        pixels, grid = prompt.inputs["pixel_values"], prompt.inputs.get("image_grid_thw")
+        if grid is not None:  # Qwen-VL: each image's patches, one run of rows, as long as its grid's product
+            rows = np.asarray(grid).prod(axis=1).astype(int)
+            ends = np.cumsum(rows)
+            picked = [mx.arange(int(ends[k] - rows[k]), int(ends[k])) for k in needed]
+            inputs = dict(
+                prompt.inputs, pixel_values=pixels[mx.concatenate(picked)], image_grid_thw=grid[mx.array(needed)]
+            )
+        elif pixels.shape[0] == len(prompt.spans):  # one tensor per image (Gemma 3)
+            inputs = dict(prompt.inputs, pixel_values=pixels[mx.array(needed)])
+        else:
+            return ids, prompt.inputs  # a layout not known here: every image, as the model takes them
+        keep = np.zeros(len(prompt.ids), dtype=bool)
+        for k in needed:
+            keep[prompt.spans[k].start : prompt.spans[k].end] = True
+        pad = getattr(self.vlm.config, "pad_token_id", None) or 0
+        masked = np.where((prompt.ids == self._placeholder) & ~keep, pad, prompt.ids)
+        return mx.array(masked[None]), inputs
 
     def forward(self, prompt: VisionPrompt, cache: list, start: int, embeddings: mx.array) -> mx.array:
         """Run prompt positions [start, start + len(embeddings)) through the language model: logits."""

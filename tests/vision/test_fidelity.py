@@ -125,3 +125,21 @@ def test_the_shared_tier_restores_an_image_prompt_on_another_machine(tmp_path, v
         hit = space.fetch(prompt.keys)
         assert hit.remote_tokens > prompt.spans[-1].end
         assert_faithful(model, space, hit, prompt)
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_images_before_the_hit_are_left_out_of_the_vision_tower(vision_model, family):
+    """Past a hit between two images, the embeddings made from the second image alone
+    equal those of both: the first never goes through the tower again."""
+    model = vision_model(family)
+    prompt = model.prompt(chat(user("First", picture(41), "then", picture(42), QUESTION)))
+    first, second = prompt.spans
+    start = first.end + 1
+    ids = mx.array(prompt.ids[None])
+    kwargs = {k: v for k, v in prompt.inputs.items() if k != "pixel_values"}
+    whole = model.vlm.get_input_embeddings(ids, prompt.inputs["pixel_values"], **kwargs).inputs_embeds[:, start:]
+    masked, inputs = model._only_images(prompt, [1])
+    assert inputs["pixel_values"].shape[0] < prompt.inputs["pixel_values"].shape[0]
+    assert (masked[0, first.start : first.end] != model._placeholder).all().item()
+    got = model.embed(prompt, start)
+    assert got.shape == whole.shape and mx.allclose(got, whole, atol=1e-5, rtol=0).item()

@@ -95,3 +95,24 @@ def test_too_many_images_and_placeholder_text_are_refused(vision_model):
         model.prompt(chat(user("<|vision_start|><|image_pad|><|vision_end|>", picture(1), "what?")))
     with pytest.raises(ImageInputError):
         model.prompt(chat(user("no image here <|image_pad|>")))
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "gemma3"])
+def test_images_processed_one_by_one_equal_those_processed_together(vision_model, family):
+    """The image processor's cache (vision/processing.py) joins each image's output as the
+    processor makes a prompt's images at once; an image sent again is not decoded again."""
+    import numpy as np
+
+    model = vision_model(family)
+    cached = model.processor.image_processor
+    images = [load_image(picture(60 + k, 90 + 10 * k, 70), PART) for k in range(3)]
+    together = {k: np.asarray(v) for k, v in dict(cached.inner(images=images)).items()}
+    once = cached(images=images)
+    again = cached(images=images[::-1])
+    assert together.keys() == once.keys()
+    for key in together:
+        assert np.array_equal(together[key], once[key]), key
+    if "image_grid_thw" in once:
+        assert np.array_equal(again["image_grid_thw"], once["image_grid_thw"][::-1])
+    url = data_url(encoded(picture(61), "PNG"))
+    assert load_image(url, PART) is load_image(url, PART)
