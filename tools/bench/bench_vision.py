@@ -185,7 +185,10 @@ def run_server(name: str, s: dict) -> dict:
     server = build(name, s["folder"], work, s["answer_tokens"], s["env"], s["peers_python"], s["peers_pythonpath"])
     rounds: dict[str, list[dict]] = {r: [] for r in ROUNDS}
     histories: dict[int, list[dict]] = {}
-    server.start()
+    try:
+        server.start()
+    except RuntimeError as e:  # the folder goes with the run: what its log said, kept
+        raise RuntimeError(f"{e}; its log ends: {server.log_tail(12)}") from None
     try:
         client = server.client()
 
@@ -294,6 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--servers", default=f"{PROMPTSTORE},{MLX_VLM},{VLLM_MLX}")
     p.add_argument("--peers-python", default=str(REPO / ".peers/vllm-mlx/bin/python"), help="vllm-mlx's python")
     p.add_argument("--peers-pythonpath", default="", help="vllm-mlx's PYTHONPATH (default: none)")
+    p.add_argument(
+        "--model-dir", default=None, help="the model folder: used as it is if written, else written there and kept"
+    )
     p.add_argument("--out", default=None, help="the JSON to write (default: bench-results/vision-<profile>.json)")
     p.add_argument(
         "--merge",
@@ -317,15 +323,17 @@ def main(argv=None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-vision-"))
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     try:
-        folder = write_vision_dir(
-            root / "model",
-            "qwen2_5_vl",
-            vocab_size=profile["vocab"],
-            dtype=getattr(mx, profile["dtype"]),
-            text=profile["text"],
-            vision=profile["vision"],
-            processor={"max_pixels": profile["image"][0] * profile["image"][1] + 28 * 28 * 64},
-        )
+        folder = Path(args.model_dir) if args.model_dir else root / "model"
+        if not (folder / "config.json").exists():
+            folder = write_vision_dir(
+                folder,
+                "qwen2_5_vl",
+                vocab_size=profile["vocab"],
+                dtype=getattr(mx, profile["dtype"]),
+                text=profile["text"],
+                vision=profile["vision"],
+                processor={"max_pixels": profile["image"][0] * profile["image"][1] + 28 * 28 * 64},
+            )
         reference = Reference(folder, profile["answer_tokens"])
         setup = dict(
             folder=folder,
