@@ -45,6 +45,7 @@ def test_a_rank_that_lost_files_makes_the_group_restore_less(tmp_path, group_mod
     assert damaged[1]["counts"].get("group_restored_again", 0) == 0
 
 
+@pytest.mark.slow  # 21 s on 2 cores; a rank that lost some files stays in `make test`
 def test_a_rank_that_lost_every_file_makes_the_group_prefill(tmp_path, group_model):
     model = group_model("llama")
     store, _, third = _stored(tmp_path, model)
