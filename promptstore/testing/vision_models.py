@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .models import _reinitialise
-from .tokenizer import CORPUS
+from .tokenizer import train_bpe
 
 VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3")
 
@@ -146,19 +146,9 @@ def write_vision_dir(
 
 
 def _tokenizer(vocab_size: int, special: list[str], qwen: bool):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    bpe = Tokenizer(models.BPE(unk_token=None))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(CORPUS.read_text().splitlines(), trainer=trainer)
+    bpe = train_bpe(vocab_size, special)
     if qwen:
         return PreTrainedTokenizerFast(
             tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<pad>", chat_template=_QWEN_TEMPLATE
