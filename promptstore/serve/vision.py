@@ -96,7 +96,7 @@ class ServedVisionModel(nn.Module):
         if prompt is None:
             return self.vision.text_forward(inputs, cache, input_embeddings)
         offset = int(cache[0].offset)
-        return self.vision._language(inputs, input_embeddings, cache, offset, prompt)
+        return self.vision.language_forward(inputs, input_embeddings, cache, offset, prompt)
 
     def prefill(self, prompt, cache: list, start: int, points, step: int, stored) -> int:
         """Run `prompt` from `start` (where `cache` is) up to its last token, in steps of
@@ -108,7 +108,7 @@ class ServedVisionModel(nn.Module):
         end = len(prompt) - 1
         end = next((s.start for s in prompt.spans if s.start <= end < s.end), end)
         if end <= start:  # restored whole: no embeddings to make
-            if prompt.spans:
+            if prompt.spans and prompt.spans[-1].end <= start:
                 self.vision.count("vision_skipped")
             return start
         embeddings = self.vision.embed(prompt, start)  # counts a run of the vision tower, or a skip

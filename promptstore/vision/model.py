@@ -255,7 +255,7 @@ class VisionModel(nn.Module):
     def forward(self, prompt: VisionPrompt, cache: list, start: int, embeddings: mx.array) -> mx.array:
         """Run prompt positions [start, start + len(embeddings)) through the language model: logits."""
         end = start + embeddings.shape[1]
-        return self._language(mx.array(prompt.ids[None, start:end]), embeddings, cache, start, prompt)
+        return self.language_forward(mx.array(prompt.ids[None, start:end]), embeddings, cache, start, prompt)
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         """mlx-lm's model protocol for text tokens alone (what the store itself runs to
@@ -280,7 +280,9 @@ class VisionModel(nn.Module):
         """An mlx-lm model (tokens or embeddings in, logits out) continuing `prompt`."""
         return _Decoder(self, prompt)
 
-    def _language(self, inputs: mx.array, embeddings: mx.array | None, cache, offset: int, prompt: VisionPrompt):
+    def language_forward(self, inputs: mx.array, embeddings: mx.array | None, cache, offset: int, prompt: VisionPrompt):
+        """The language model over `inputs` (or their `embeddings`) at positions from `offset`
+        of `prompt` (past its end, text positions shifted by its delta): logits."""
         lm = self.vlm.language_model
         kwargs = {}
         if self._mrope:
@@ -316,7 +318,7 @@ class _Decoder(nn.Module):
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None):
         offset = int(cache[0].offset) if cache else 0
-        return self._model._language(inputs, input_embeddings, cache, offset, self._prompt)
+        return self._model.language_forward(inputs, input_embeddings, cache, offset, self._prompt)
 
 
 def _mrope_positions(prompt: VisionPrompt, offset: int, length: int) -> mx.array:
