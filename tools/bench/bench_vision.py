@@ -217,6 +217,9 @@ def run_server(name: str, s: dict) -> dict:
             turn(u, "after restart", "Which of them is brighter?", [picture(300 + 10 * u + j, size) for j in range(k)])
     finally:
         server.kill()
+        if s.get("keep_logs"):  # the server's own log (its phases), kept where asked
+            for log in work.glob("*.log"):
+                shutil.copy(log, Path(s["keep_logs"]) / f"{work.name}-{log.name}")
     shutil.rmtree(work, ignore_errors=True)
     return rounds
 
@@ -297,6 +300,7 @@ def main(argv=None) -> int:
     p.add_argument("--servers", default=f"{PROMPTSTORE},{MLX_VLM},{VLLM_MLX}")
     p.add_argument("--peers-python", default=str(REPO / ".peers/vllm-mlx/bin/python"), help="vllm-mlx's python")
     p.add_argument("--peers-pythonpath", default="", help="vllm-mlx's PYTHONPATH (default: none)")
+    p.add_argument("--keep-logs", default=None, metavar="DIR", help="copy each server's log there after its run")
     p.add_argument(
         "--model-dir", default=None, help="the model folder: used as it is if written, else written there and kept"
     )
@@ -347,6 +351,7 @@ def main(argv=None) -> int:
             image=profile["image"],
             images_per_turn=args.images_per_turn,
             answer_tokens=profile["answer_tokens"],
+            keep_logs=args.keep_logs,
         )
         print(f"{describe_device()}; profile {args.profile}; servers {', '.join(servers)}")
         per_server: dict[str, list] = {n: [] for n in servers}
