@@ -185,6 +185,18 @@ class StoreCache:
         if warming is not None and warming.running:
             warming.restrict(bound)
 
+    def restorable_length(self, tenant: Tenant, tokens) -> int:
+        """How many leading `tokens` the index says `tenant`'s plain namespace of this model
+        could restore: a lookup, nothing read, from any thread (each index call is its own
+        transaction). 0 where that namespace is not bound yet or refuses the tokens."""
+        space = self._spaces.get((tenant.salt, self.kv_variants[0])) if self.kv_variants else None
+        if space is None:
+            return 0
+        try:
+            return space.restorable_length([int(t) for t in tokens])
+        except PromptStoreError:
+            return 0
+
     def spaces(self, tenant: Tenant) -> list[Space]:
         """The namespaces of this model for `tenant`: plain, then quantized with --kv-bits."""
         out = []
@@ -289,19 +301,25 @@ class StoreCache:
         self.model.bind(cache, pending.request.vision)
         self.counts["restored_tokens"] += restored
         points = hit.checkpoints if hit is not None else ()
+        marks = pending.request.timeline if pending.request.timeline is not None else {}
+        marks["prefill"] = time.perf_counter()
         done = self.model.prefill(
             pending.request.vision,
             cache,
             restored,
             points,
             self.prefill_step,
-            lambda at: self._store_part(tokens, cache, at),
+            lambda at: self._store_part(tokens, cache, at, marks),
+            marks,
         )
+        marks["prefilled"] = time.perf_counter()
         return cache, tokens[done:]
 
-    def _store_part(self, tokens: list[int], cache: list, at: int) -> None:
+    def _store_part(self, tokens: list[int], cache: list, at: int, marks: dict) -> None:
         """Store `tokens[:at]` from `cache`, which is at `at` and goes on prefilling
-        (the insert waits, with caches of its own); a failure is logged and skipped."""
+        (the insert waits, with caches of its own); a failure is logged and skipped.
+        marks["copies"]: the seconds spent copying caches so far."""
+        started = time.perf_counter()
         try:
             held = C.make_prompt_cache(self.model)
             if not C.restore_prompt_cache(held, C.snapshot_prompt_cache(cache), at):
@@ -309,6 +327,8 @@ class StoreCache:
         except PromptStoreError as e:
             log.warning("part of an image prompt (%d tokens) not stored: %s", at, e)
             return
+        finally:
+            marks["copies"] = marks.get("copies", 0.0) + time.perf_counter() - started
         self.insert_cache(self.model_key, tokens[:at], held)
 
     # --- insert -------------------------------------------------------------------

@@ -73,10 +73,14 @@ def check_prompt(generator, request, chat_template_kwargs, tenant: Tenant = PUBL
     elif provider.vision is None and provider.processor is None and has_images(request.messages):
         raise ServeRequestError("this model takes no images (serve a vision-language model's folder for them)")
     elif provider.vision is not None and has_images(request.messages):
-        # Rendered here to refuse a bad image with a 400; the generation thread renders it again.
+        # Rendered here to refuse a bad image with a 400; the generation thread takes it as it is.
         kwargs = generator.template_kwargs(chat_template_kwargs)
         try:
             rendered = render_images(provider.vision, provider.tokenizer, request.messages, request.tools, kwargs)
+            # The images past what the store holds are processed now, here, several at once;
+            # those before it never are (unless the store lets go of them before the fetch).
+            held = generator.store_cache.restorable_length(tenant, rendered.prompt.keys)
+            provider.vision.vision.prepare(rendered.prompt, held)
         except ImageInputError as e:
             raise ServeRequestError(str(e), param=e.part) from None
         prompt = rendered.ids

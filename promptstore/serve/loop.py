@@ -407,6 +407,7 @@ class StoreResponseGenerator(ResponseGenerator):
         tenant, retention = getattr(request, "tenant", PUBLIC), getattr(request, "retention", ())
         tracked, _ = self.store_cache.begin(tenant, vision.cache_key, None, [], retention=retention, vision=prompt)
         vision.cache_key = tracked  # what mlx-lm fetches and inserts by; the request is in flight while it lives
+        tracked.request.timeline = timeline  # the store's prefill marks its phases (cache._prefilled)
         timeline["fetched"] = time.perf_counter()
         self._note_hit(timeline)
         hit = self.store_cache.last_hit

@@ -195,8 +195,8 @@ class ServeMetrics:
 
 class VisionCollector:
     """A vision-language model's prompts with images: those whose embeddings ran the
-    vision tower, and those whose hit covered every image so that it did not
-    (read at each scrape; nothing for a text model)."""
+    vision tower, those whose hit covered every image so that it did not, and the
+    images processed (read at each scrape; nothing for a text model)."""
 
     def __init__(self, model: str, counts: Callable[[], dict | None]):
         self.model, self.counts = model, counts  # None: the model takes no images
@@ -214,6 +214,11 @@ class VisionCollector:
                 "promptstore_vision_encoder_skipped",
                 "vision_skipped",
                 "Prompts whose hit covered every image: no vision tower",
+            ),
+            (
+                "promptstore_vision_images_processed",
+                "images_processed",
+                "Images the image processor resized and cut into patches (an image a hit covers is not)",
             ),
         ):
             family = CounterMetricFamily(name, doc, labels=["model"])

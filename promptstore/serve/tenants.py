@@ -84,6 +84,7 @@ class InFlightRequest:
     first_out: bool = False  # its first token has been handed out
     retention: tuple = ()  # (end, class) per marked prefix, (None, class) for all it stores
     vision: Any = None  # a prompt with images: its VisionPrompt (its tokens are image keys)
+    timeline: dict | None = None  # the HTTP request's timeline (serve/timeline.py), where one is kept
 
 
 class TrackedPrompt(list):

@@ -73,6 +73,14 @@ def request_phases(timeline: dict, busy_between) -> dict[str, float]:
     for (a, b), name in zip(zip(marks, marks[1:]), names):
         if a in timeline and b in timeline:
             out[name] = (timeline[b] - timeline[a]) * 1e3
+    if "prefill" in timeline:  # a prompt with images, prefilled by the store (serve/vision.py)
+        vision = [("fetched", "prefill", "wait_ms"), ("prefill", "embedded", "embed_ms")]
+        vision += [("embedded", "prefilled", "prefill_ms"), ("prefilled", "first", "first_ms")]
+        for a, b, name in vision:
+            if a in timeline and b in timeline:
+                out[name] = (timeline[b] - timeline[a]) * 1e3
+        if "copies" in timeline:
+            out["copy_ms"] = timeline["copies"] * 1e3
     if "first" in timeline and "received" in timeline:
         out["ttft_ms"] = (timeline["first"] - timeline["received"]) * 1e3
         out["store_ms"] = busy_between(timeline["received"], timeline["first"]) * 1e3

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,13 +99,14 @@ class ServedVisionModel(nn.Module):
         offset = int(cache[0].offset)
         return self.vision.language_forward(inputs, input_embeddings, cache, offset, prompt)
 
-    def prefill(self, prompt, cache: list, start: int, points, step: int, stored) -> int:
+    def prefill(self, prompt, cache: list, start: int, points, step: int, stored, marks=None) -> int:
         """Run `prompt` from `start` (where `cache` is) up to its last token, in steps of
         `step`, calling `stored(position)` at each of `points` and at the end: the
         prompt's checkpoints and the prompt itself are stored before generation, as a
         text prompt's are. The vision tower runs once, only for images past `start`.
         Returns where it stopped: the last token, or the start of an image the prompt
-        ends in (mlx-lm embeds that one)."""
+        ends in (mlx-lm embeds that one). marks["embedded"]: when the embeddings were made."""
+        marks = {} if marks is None else marks
         end = len(prompt) - 1
         end = next((s.start for s in prompt.spans if s.start <= end < s.end), end)
         if end <= start:  # restored whole: no embeddings to make
@@ -112,6 +114,8 @@ class ServedVisionModel(nn.Module):
                 self.vision.count("vision_skipped")
             return start
         embeddings = self.vision.embed(prompt, start)  # counts a run of the vision tower, or a skip
+        mx.eval(embeddings)
+        marks["embedded"] = time.perf_counter()
         position = start
         for point in [p for p in sorted(points) if start < p < end] + [end]:
             for lo in range(position, point, step):

@@ -13,6 +13,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,23 @@ def load_image(source, part: str, limits: ImageLimits = DEFAULT_LIMITS):
             _DECODED.put(key, image)
         return _checked(image, part, limits)
     return _load(source, part, limits)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+THREADS = 4  # images decoded at once by load_images
+
+
+def load_images(sources: Sequence[tuple[object, str]], limits: ImageLimits = DEFAULT_LIMITS) -> list:
+    """`load_image` of each (source, part), several decoded at once (PIL's decoders release
+    the GIL); the first refusal, in order, is raised."""
+    global _POOL
+    if len(sources) <= 1:
+        return [load_image(source, part, limits) for source, part in sources]
+    with _POOL_LOCK:
+        _POOL = _POOL or ThreadPoolExecutor(THREADS, thread_name_prefix="promptstore-decode")
+    futures = [_POOL.submit(load_image, source, part, limits) for source, part in sources]
+    return [f.result() for f in futures]
 
 
 def _is_file(source) -> bool:

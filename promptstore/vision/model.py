@@ -22,18 +22,19 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ..errors import ImageInputError, ModelPathError, UnsupportedCacheError
-from .images import DEFAULT_LIMITS, ImageLimits, load_image
+from .images import DEFAULT_LIMITS, ImageLimits, load_image, load_images
 from .keys import ImageSpan, image_digest, keyed_tokens, placeholder_spans, processor_digest
-from .processing import CachedImages
+from .processing import CachedImages, joined
+from .towers import batch_windows
 
 # Processor outputs that are not image tensors for get_input_embeddings.
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
@@ -45,14 +46,18 @@ class VisionPrompt:
 
     ids: the model's token ids; keys: what the store sees (ids with each image's
     placeholder run replaced by its key); spans: each image's run and digest;
-    inputs: the processor's image tensors; positions: mrope positions (3, 1, n),
-    None for models with 1-D positions; delta: what mrope adds to a text
-    position past the last image."""
+    images: the decoded images, in order (processed when their embeddings are
+    wanted: VisionModel.inputs); mask: the processor's attention mask; made:
+    every image's tensors where the processor made them with the text (numpy),
+    else None; positions: mrope positions (3, 1, n), None for models with 1-D
+    positions; delta: what mrope adds to a text position past the last image."""
 
     ids: np.ndarray
     keys: np.ndarray
     spans: tuple[ImageSpan, ...]
-    inputs: dict[str, Any]
+    images: tuple = ()
+    mask: np.ndarray | None = None
+    made: dict | None = None
     positions: mx.array | None = None
     delta: int = 0
 
@@ -79,6 +84,7 @@ class VisionModel(nn.Module):
         self._processor_key = processor_digest(settings)
         if hasattr(processor, "image_processor"):  # each image processed once (vision/processing.py)
             processor.image_processor = CachedImages(processor.image_processor, self._processor_key)
+        self.windows_batched = batch_windows(model)  # the same tower in fewer kernels (vision/towers.py)
 
     @classmethod
     def load(cls, path: str | Path, *, limits: ImageLimits = DEFAULT_LIMITS) -> VisionModel:
@@ -126,9 +132,14 @@ class VisionModel(nn.Module):
         return out
 
     def counts(self) -> dict[str, int]:
-        """Prompts whose embeddings ran the vision tower (`vision_runs`), and those
-        whose hit covered every image so that it did not (`vision_skipped`)."""
-        return self._tally.read()
+        """Prompts whose embeddings ran the vision tower (`vision_runs`), those whose
+        hit covered every image so that it did not (`vision_skipped`), and images
+        processed by the image processor (`images_processed`)."""
+        counts = self._tally.read()
+        cached = getattr(self._processor, "image_processor", None)
+        if isinstance(cached, CachedImages):
+            counts["images_processed"] = cached.processed
+        return counts
 
     def count(self, name: str) -> None:
         self._tally.add(name)
@@ -142,7 +153,7 @@ class VisionModel(nn.Module):
         and {"type": "image", "image": source} (a PIL image, bytes, a data URL, base64,
         or a file under the allowed folders: promptstore.vision.images). template_kwargs:
         the chat template's (tools, say), beside add_generation_prompt=True."""
-        images, rendered = [], []
+        sources, rendered = [], []
         for i, message in enumerate(messages):
             content = message.get("content")
             if isinstance(content, list):
@@ -150,33 +161,38 @@ class VisionModel(nn.Module):
                 for j, part in enumerate(content):
                     if part.get("type") == "image":
                         where = part.get("where") or f"messages[{i}].content[{j}]"  # the caller's name for it
-                        if len(images) >= self._limits.max_images:
+                        if len(sources) >= self._limits.max_images:
                             raise ImageInputError(f"more than {self._limits.max_images} images", where)
-                        images.append(load_image(part.get("image"), where, self._limits))
+                        sources.append((part.get("image"), where))
                         parts.append({"type": "image"})
                     else:
                         parts.append(part)
                 message = dict(message, content=parts)
             rendered.append(message)
+        images = load_images(sources, self._limits)
         template_kwargs.setdefault("add_generation_prompt", True)
         text = self.tokenizer.apply_chat_template(rendered, tokenize=False, **template_kwargs)
         return text, images
 
     def prompt(self, messages: Sequence[dict] | str, images: Sequence = (), **template_kwargs) -> VisionPrompt:
-        """A VisionPrompt of chat `messages` (see render), or of a rendered `text` and its `images`."""
+        """A VisionPrompt of chat `messages` (see render), or of a rendered `text` and its `images`.
+
+        Images are laid out, keyed and decoded here, and processed only where their
+        processor cannot say their layout without it (CachedImages.deferred): the rest
+        are processed when their embeddings are first wanted (`inputs`, `prepare`)."""
         if isinstance(messages, str):
             text = messages
             images = [load_image(im, f"images[{k}]", self._limits) for k, im in enumerate(images)]
         else:
             text, images = self.render(messages, **template_kwargs)
         try:
-            processed = self._processor(images=images or None, text=[text], return_tensors="np")
+            with self._deferred():
+                processed = self._processor(images=images or None, text=[text], return_tensors="np")
         except Exception as e:  # noqa: BLE001 - the processor's refusal, said as the caller's error
             raise ImageInputError(f"the model's processor refused the prompt: {e}") from None
         ids = np.asarray(processed["input_ids"]).reshape(-1).astype(np.int64)
-        inputs = {k: mx.array(np.asarray(v)) for k, v in processed.items() if k not in _TEXT_INPUTS}
-        inputs["mask"] = mx.array(np.asarray(processed["attention_mask"]))
-        lengths = self._run_lengths(processed, len(images))
+        tensors = {k: np.asarray(v) for k, v in processed.items() if k not in _TEXT_INPUTS}
+        lengths = self._run_lengths(tensors, len(images))
         try:
             runs = placeholder_spans(ids, self._placeholder, lengths)
         except ValueError as e:
@@ -184,19 +200,57 @@ class VisionModel(nn.Module):
         spans = tuple(
             ImageSpan(s, e, image_digest(im, self._processor_key)) for (s, e), im in zip(runs, images, strict=True)
         )
-        positions, delta = self._positions(ids, inputs) if self._mrope else (None, 0)
+        made = tensors if images and _holds_pixels(tensors, len(images)) else None
+        positions, delta = self._positions(ids, tensors.get("image_grid_thw")) if self._mrope else (None, 0)
         # Computed now: a prompt made on one thread (a server's HTTP thread) is run on another,
         # and MLX's streams are per thread.
-        mx.eval([v for v in inputs.values() if isinstance(v, mx.array)], positions if positions is not None else [])
-        return VisionPrompt(ids, keyed_tokens(ids, spans), spans, inputs if images else {}, positions, delta)
+        if positions is not None:
+            mx.eval(positions)
+        mask = np.asarray(processed["attention_mask"])
+        return VisionPrompt(ids, keyed_tokens(ids, spans), spans, tuple(images), mask, made, positions, delta)
 
-    def _run_lengths(self, processed, n_images: int) -> list[int]:
+    def _deferred(self):
+        cached = getattr(self._processor, "image_processor", None)
+        return cached.deferred() if isinstance(cached, CachedImages) else nullcontext()
+
+    def prepare(self, prompt: VisionPrompt, start: int = 0) -> None:
+        """Process now, several at once, the images of `prompt` whose runs end past `start`
+        (those a hit of `start` tokens leaves to the vision tower), so that their
+        embeddings need no processing later."""
+        cached = getattr(self._processor, "image_processor", None)
+        if prompt.made is None and isinstance(cached, CachedImages):
+            wanted = [im for im, span in zip(prompt.images, prompt.spans, strict=True) if span.end > start]
+            try:
+                cached.prepare(wanted)
+            except Exception as e:  # noqa: BLE001 - the processor's refusal, said as the caller's error
+                raise ImageInputError(f"the model's processor refused an image: {e}") from None
+
+    def inputs(self, prompt: VisionPrompt, needed: Sequence[int] | None = None) -> dict[str, mx.array]:
+        """The image tensors get_input_embeddings takes for images `needed` (all by default),
+        processing those not processed yet."""
+        needed = list(range(len(prompt.spans))) if needed is None else list(needed)
+        if prompt.made is not None:
+            data = _picked(prompt.made, needed, len(prompt.spans)) or prompt.made
+        else:
+            cached = self._processor.image_processor
+            try:
+                parts = [cached.one(prompt.images[k]) for k in needed]
+            except Exception as e:  # noqa: BLE001 - the processor's refusal, said as the caller's error
+                raise ImageInputError(f"the model's processor refused an image: {e}") from None
+            if any(p is None for p in parts):
+                raise UnsupportedCacheError(f"{self.vlm.config.model_type}: an image's tensors have a layout not known")
+            data = joined(parts)
+        out = {k: mx.array(v) for k, v in data.items()}
+        out["mask"] = mx.array(prompt.mask)
+        return out
+
+    def _run_lengths(self, tensors: dict, n_images: int) -> list[int]:
         if not n_images:
             return []
-        grid = processed.get("image_grid_thw")
+        grid = tensors.get("image_grid_thw")
         if grid is not None:
             merge = self.vlm.config.vision_config.spatial_merge_size
-            return [int(np.prod(g)) // (merge * merge) for g in np.asarray(grid)]
+            return [int(np.prod(g)) // (merge * merge) for g in grid]
         per_image = getattr(self._processor, "image_seq_length", None)
         if per_image is None:
             raise UnsupportedCacheError(
@@ -204,10 +258,9 @@ class VisionModel(nn.Module):
             )
         return [int(per_image)] * n_images
 
-    def _positions(self, ids: np.ndarray, inputs: dict) -> tuple[mx.array, int]:
-        positions, deltas = self.vlm.language_model.get_rope_index(
-            mx.array(ids[None]), inputs.get("image_grid_thw"), None, None
-        )
+    def _positions(self, ids: np.ndarray, grid: np.ndarray | None) -> tuple[mx.array, int]:
+        grid = mx.array(grid) if grid is not None else None
+        positions, deltas = self.vlm.language_model.get_rope_index(mx.array(ids[None]), grid, None, None)
         return positions, int(np.asarray(deltas).reshape(-1)[0])
 
     # --- running ------------------------------------------------------------------------
@@ -232,19 +285,10 @@ class VisionModel(nn.Module):
         the hit and are dropped, so the vision tower never sees those images."""
         ids = mx.array(prompt.ids[None])
         if len(needed) == len(prompt.spans):
-            return ids, prompt.inputs
-        pixels, grid = prompt.inputs["pixel_values"], prompt.inputs.get("image_grid_thw")
-        if grid is not None:  # Qwen-VL: each image's patches, one run of rows, as long as its grid's product
-            rows = np.asarray(grid).prod(axis=1).astype(int)
-            ends = np.cumsum(rows)
-            picked = [mx.arange(int(ends[k] - rows[k]), int(ends[k])) for k in needed]
-            inputs = dict(
-                prompt.inputs, pixel_values=pixels[mx.concatenate(picked)], image_grid_thw=grid[mx.array(needed)]
-            )
-        elif pixels.shape[0] == len(prompt.spans):  # one tensor per image (Gemma 3)
-            inputs = dict(prompt.inputs, pixel_values=pixels[mx.array(needed)])
-        else:
-            return ids, prompt.inputs  # a layout not known here: every image, as the model takes them
+            return ids, self.inputs(prompt)
+        if prompt.made is not None and _picked(prompt.made, needed, len(prompt.spans)) is None:
+            return ids, self.inputs(prompt)  # a layout not known here: every image, as the model takes them
+        inputs = self.inputs(prompt, needed)
         keep = np.zeros(len(prompt.ids), dtype=bool)
         for k in needed:
             keep[prompt.spans[k].start : prompt.spans[k].end] = True
@@ -319,6 +363,33 @@ class _Decoder(nn.Module):
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None):
         offset = int(cache[0].offset) if cache else 0
         return self._model.language_forward(inputs, input_embeddings, cache, offset, self._prompt)
+
+
+def _holds_pixels(tensors: dict, n_images: int) -> bool:
+    """Whether the processor's output holds every image's pixel tensors (not stand-ins)."""
+    pixels, grid = tensors.get("pixel_values"), tensors.get("image_grid_thw")
+    if pixels is None:
+        return False
+    if grid is not None:
+        return pixels.shape[0] == int(np.prod(grid, axis=1).sum())
+    return pixels.shape[0] > 0
+
+
+def _picked(made: dict, needed: list[int], n_images: int) -> dict | None:
+    """The tensors of images `needed` from those of every image (`made`), in its layout:
+    Qwen-VL's patch rows and grids, or a tensor per image; `made` itself where it is all of
+    them, None for a layout not known here."""
+    if len(needed) == n_images:
+        return made
+    pixels, grid = made["pixel_values"], made.get("image_grid_thw")
+    if grid is not None:  # Qwen-VL: each image's patches, one run of rows, as long as its grid's product
+        rows = np.asarray(grid).prod(axis=1).astype(int)
+        ends = np.cumsum(rows)
+        picked = np.concatenate([np.arange(ends[k] - rows[k], ends[k]) for k in needed])
+        return dict(made, pixel_values=pixels[picked], image_grid_thw=grid[needed])
+    if pixels.shape[0] == n_images:  # one tensor per image (Gemma 3)
+        return dict(made, pixel_values=pixels[needed])
+    return None
 
 
 def _mrope_positions(prompt: VisionPrompt, offset: int, length: int) -> mx.array:

@@ -136,10 +136,11 @@ def test_images_before_the_hit_are_left_out_of_the_vision_tower(vision_model, fa
     first, second = prompt.spans
     start = first.end + 1
     ids = mx.array(prompt.ids[None])
-    kwargs = {k: v for k, v in prompt.inputs.items() if k != "pixel_values"}
-    whole = model.vlm.get_input_embeddings(ids, prompt.inputs["pixel_values"], **kwargs).inputs_embeds[:, start:]
+    every = model.inputs(prompt)
+    kwargs = {k: v for k, v in every.items() if k != "pixel_values"}
+    whole = model.vlm.get_input_embeddings(ids, every["pixel_values"], **kwargs).inputs_embeds[:, start:]
     masked, inputs = model._only_images(prompt, [1])
-    assert inputs["pixel_values"].shape[0] < prompt.inputs["pixel_values"].shape[0]
+    assert inputs["pixel_values"].shape[0] < every["pixel_values"].shape[0]
     assert (masked[0, first.start : first.end] != model._placeholder).all().item()
     got = model.embed(prompt, start)
     assert got.shape == whole.shape and mx.allclose(got, whole, atol=1e-5, rtol=0).item()

@@ -186,3 +186,19 @@ def test_image_prompts_survive_a_restart(serve, vision_dirs, tmp_path):  # noqa:
     second = serve(folder, store=store)
     _, ids, cached = chat(second.client(), messages)
     assert ids == want and cached > image_end
+    # The restarted server processed neither image: the store's hit covers both.
+    assert processed_images(second) == 0
+    # A next turn with a new image processes that one alone.
+    three = [*messages, {"role": "assistant", "content": "Two pictures."}]
+    three.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(13)}}]})
+    want_three, _ = reference(folder, three)
+    _, ids_three, cached_three = chat(second.client(), three)
+    assert ids_three == want_three and cached_three > image_end
+    assert processed_images(second) == 1
+
+
+def processed_images(server) -> float:
+    metrics = httpx.get(server.url + "/metrics", timeout=REQUEST_TIMEOUT_S).text
+    lines = [line for line in metrics.splitlines() if line.startswith("promptstore_vision_images_processed_total")]
+    assert lines, "no promptstore_vision_images_processed_total in /metrics"
+    return float(lines[0].split()[-1])
