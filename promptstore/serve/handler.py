@@ -60,6 +60,7 @@ class StoreHandler(HeadDeadline, APIHandler):
 
     def _post(self) -> None:
         self.capped, self.headers_sent, self.unread = None, False, 0  # this request's, not an earlier one's
+        self.arrived = time.perf_counter()  # its headers read: its body, checks and the rest count from here
         self.retention = self.cache_key = None
         route = self.path.split("?")[0].rstrip("/")
         self.api = apis.route(self)
@@ -349,7 +350,7 @@ class StoreHandler(HeadDeadline, APIHandler):
         received = time.perf_counter()
         with generator.arrivals.checking() as arrival:
             rendered = check_prompt(generator, request, self.chat_template_kwargs, self.tenant)
-        timeline = {"received": received, "checked": time.perf_counter()}
+        timeline = {"arrived": getattr(self, "arrived", received), "received": received, "checked": time.perf_counter()}
         extra = {"tenant": self.tenant, "timeline": timeline, "rendered": rendered, "arrival": arrival}
         kept = ((None, CLASSES[self.retention]),) if self.retention else ()
         return StoreRequest(**vars(request), **extra, retention=kept, cache_key=self.cache_key)

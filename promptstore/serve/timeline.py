@@ -61,14 +61,23 @@ def first_token_out(ctx) -> None:
 
 
 def request_phases(timeline: dict, busy_between) -> dict[str, float]:
-    """A request's timeline as milliseconds per phase (those it reached): checking
-    the prompt (HTTP thread), waiting for the generation thread, rendering and
+    """A request's timeline as milliseconds per phase (those it reached): reading and
+    parsing its body, checking the prompt (HTTP thread), waiting for the generation thread, rendering and
     tokenizing, the store's fetch, waiting for requests being checked beside
     it (Arrivals), then prefill and the first token; `store_ms`
     is the generation thread's time in store calls (fetches, inserts) between
     arrival and the first token, this request's own fetch included."""
-    marks = ["received", "checked", "queued", "tokenize", "fetch", "fetched", "gathered", "first"]
-    names = ["check_ms", "handoff_ms", "queue_ms", "template_ms", "fetch_ms", "gather_ms", "prefill_first_ms"]
+    marks = ["arrived", "received", "checked", "queued", "tokenize", "fetch", "fetched", "gathered", "first"]
+    names = [
+        "read_ms",
+        "check_ms",
+        "handoff_ms",
+        "queue_ms",
+        "template_ms",
+        "fetch_ms",
+        "gather_ms",
+        "prefill_first_ms",
+    ]
     out = {}
     for (a, b), name in zip(zip(marks, marks[1:]), names):
         if a in timeline and b in timeline:
@@ -81,7 +90,8 @@ def request_phases(timeline: dict, busy_between) -> dict[str, float]:
                 out[name] = (timeline[b] - timeline[a]) * 1e3
         if "copies" in timeline:
             out["copy_ms"] = timeline["copies"] * 1e3
-    if "first" in timeline and "received" in timeline:
-        out["ttft_ms"] = (timeline["first"] - timeline["received"]) * 1e3
-        out["store_ms"] = busy_between(timeline["received"], timeline["first"]) * 1e3
+    start = timeline.get("arrived", timeline.get("received"))
+    if "first" in timeline and start is not None:
+        out["ttft_ms"] = (timeline["first"] - start) * 1e3
+        out["store_ms"] = busy_between(start, timeline["first"]) * 1e3
     return out
