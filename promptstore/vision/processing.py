@@ -49,12 +49,20 @@ class CachedImages:
 
     def __call__(self, images=None, *args, **kwargs):
         if args or kwargs or not isinstance(images, list | tuple) or not images:
+            self._count(images)
             return self.inner(images, *args, **kwargs) if args else self.inner(images=images, **kwargs)
         defer = getattr(self._local, "deferred", False)
         parts = [(self._stand_in(image) if defer else None) or self.one(image) for image in images]
         if any(p is None for p in parts):
+            self._count(images)
             return self.inner(images=list(images))
         return joined(parts)
+
+    def _count(self, images) -> None:
+        """Images the processor itself is handed (a call with options, a layout not known)."""
+        n = _flat_count(images)
+        with self._lock:
+            self.processed += n
 
     @contextmanager
     def deferred(self):
@@ -120,6 +128,15 @@ class CachedImages:
         temporal = int(getattr(inner, "temporal_patch_size", 1) or 1)
         grid = np.array([[1, resized_h // patch, resized_w // patch]], dtype=np.int64)
         return {"pixel_values": np.zeros((0, 3 * temporal * patch * patch), np.float32), "image_grid_thw": grid}
+
+
+def _flat_count(images) -> int:
+    """Images in `images`: one, or a list of them, or of lists (a batch's)."""
+    if images is None:
+        return 0
+    if isinstance(images, list | tuple):
+        return sum(_flat_count(im) for im in images)
+    return 1
 
 
 def _one_image(data: dict) -> bool:

@@ -92,8 +92,10 @@ def test_an_image_the_processor_refuses_is_an_input_error_before_anything_runs(v
 def test_gemma3_images_are_processed_with_the_text(vision_model):
     """A processor that cannot say an image's layout from its size processes it at once."""
     model = vision_model("gemma3")
+    before = processed(model)
     prompt = model.prompt(chat(user("See", picture(520), QUESTION)))
     assert prompt.made is not None and prompt.made["pixel_values"].shape[0] == 1
+    assert processed(model) == before + 1
 
 
 def test_batched_window_attention_equals_mlx_vlms(vision_model):
