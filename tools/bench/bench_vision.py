@@ -106,6 +106,21 @@ PROFILES = {
 }
 
 
+def profile_model(folder: Path, profile: dict) -> Path:
+    """The profile's model folder at `folder`: used as it is if written, else written there."""
+    if (folder / "config.json").exists():
+        return folder
+    return write_vision_dir(
+        folder,
+        "qwen2_5_vl",
+        vocab_size=profile["vocab"],
+        dtype=getattr(mx, profile["dtype"]),
+        text=profile["text"],
+        vision=profile["vision"],
+        processor={"max_pixels": profile["image"][0] * profile["image"][1] + 28 * 28 * 64},
+    )
+
+
 def picture(seed: int, size: tuple[int, int]) -> str:
     """A random photo-like image (smooth colour fields and noise) as a PNG data URL."""
     from PIL import Image
@@ -372,17 +387,7 @@ def main(argv=None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-vision-"))
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     try:
-        folder = Path(args.model_dir) if args.model_dir else root / "model"
-        if not (folder / "config.json").exists():
-            folder = write_vision_dir(
-                folder,
-                "qwen2_5_vl",
-                vocab_size=profile["vocab"],
-                dtype=getattr(mx, profile["dtype"]),
-                text=profile["text"],
-                vision=profile["vision"],
-                processor={"max_pixels": profile["image"][0] * profile["image"][1] + 28 * 28 * 64},
-            )
+        folder = profile_model(Path(args.model_dir) if args.model_dir else root / "model", profile)
         reference = Reference(folder, profile["answer_tokens"])
         setup = dict(
             folder=folder,

@@ -34,10 +34,9 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from bench_vision import PROFILES, picture, system_prompt, user_turn  # noqa: E402
+from bench_vision import PROFILES, picture, profile_model, system_prompt, user_turn  # noqa: E402
 
 from promptstore.serve.vision import chat_parts  # noqa: E402
-from promptstore.testing.vision_models import write_vision_dir  # noqa: E402
 from promptstore.vision import VisionModel  # noqa: E402
 from promptstore.vision.keys import image_digest  # noqa: E402
 
@@ -61,18 +60,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     profile = PROFILES[args.profile]
-    folder = Path(args.model_dir)
-    if not (folder / "config.json").exists():
-        write_vision_dir(
-            folder,
-            "qwen2_5_vl",
-            vocab_size=profile["vocab"],
-            dtype=getattr(mx, profile["dtype"]),
-            text=profile["text"],
-            vision=profile["vision"],
-            processor={"max_pixels": profile["image"][0] * profile["image"][1] + 28 * 28 * 64},
-        )
-    model = VisionModel.load(folder)
+    model = VisionModel.load(profile_model(Path(args.model_dir), profile))
     url = picture(7, tuple(profile["image"]))
     system = system_prompt(model.tokenizer, profile["system_tokens"])
     messages = [{"role": "system", "content": system}, user_turn("Describe this.", [url])]
