@@ -149,4 +149,6 @@ def _one_image(data: dict) -> bool:
 def joined(parts: list[dict]) -> dict:
     """Images processed one by one, as the processor makes them together: every key's
     arrays one after another (Qwen-VL's patch rows and grids; a tensor per image)."""
+    if len(parts) == 1:
+        return parts[0]  # one image: its arrays as they are (never written to)
     return {key: np.concatenate([p[key] for p in parts], axis=0) for key in parts[0]}
