@@ -59,7 +59,11 @@ def small_disk(tmp_path):
 
 
 def prompt_tokens(n: int, seed: int = 1, vocab: int = 256) -> mx.array:
-    return mx.random.randint(0, vocab, (n,), key=mx.random.key(seed))
+    """Random token ids, computed now: MLX's streams are per thread, and a lazy array made
+    at a module's import fails when a test's other thread is the first to use it."""
+    tokens = mx.random.randint(0, vocab, (n,), key=mx.random.key(seed))
+    mx.eval(tokens)
+    return tokens
 
 
 def forward(model, cache, tokens: mx.array) -> mx.array:
