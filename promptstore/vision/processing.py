@@ -1,7 +1,7 @@
 """An image processor that does each image once, and only when it is needed.
 
 A chat resends every earlier image with each turn, and a processor resizes,
-normalizes and cuts each into patches again (41-49 ms of a CPU core per
+normalizes and cuts each into patches again (41-67 ms of a CPU core per
 1024x768 image on an H200's host). `CachedImages` wraps the model's image
 processor:
 - each image is processed alone and kept by its content digest

@@ -9,10 +9,10 @@ tower took 122 ms per image with cuDNN's attention and 161 ms with MLX's own,
 for under 6 TFLOP of work (`tools/gpu/vision_phases.py`).
 
 `batch_windows` makes each such attention run every window of one length as one
-batch (a 1024x768 image has windows of four lengths), with the bounds read once
-per image. Each window is still attended alone, by the same kernel over the
-same rows: on the CPU the tower's output is bitwise the same
-(tests/vision/test_towers.py). The attention modules keep their class's
+batch (a 1024x768 image has windows of four lengths), with each kind of block's
+bounds read once per call of the tower. Each window is still attended alone, by
+the same kernel over the same rows: the tower's output is bitwise the same, on
+the CPU (tests/vision/test_processing.py) and on an H200. The attention modules keep their class's
 parameters and names (their class is swapped for a subclass), so the model's
 parameters, and the store's namespace of them, are unchanged.
 """
@@ -50,21 +50,24 @@ def _batched_class(attention: type) -> type:
 
 
 class _Bounds(threading.local):
-    """The last bounds array read back, per thread: the tower passes the same array
-    to every block of a kind, so it is read once per image, not once per block."""
+    """The bounds arrays read back lately, per thread, with what was made of them: the
+    tower passes one array to its window blocks and another to its full-attention
+    blocks, each the same object for every block of its kind, so a tower's call reads
+    each once, not once per block."""
 
-    array = None
-    groups: list = []
+    def __init__(self):
+        self.seen: list[tuple[mx.array, tuple]] = []  # (bounds array, _groups of it), the last two
 
 
 _BOUNDS = _Bounds()
 
 
-def _groups(cu_seqlens: mx.array) -> list[tuple[int, mx.array | None, int]]:
-    """The windows of `cu_seqlens` grouped by length: (length, row index or None for a
-    single contiguous window's start, count), and the inverse order back."""
-    if _BOUNDS.array is cu_seqlens:
-        return _BOUNDS.groups
+def _groups(cu_seqlens: mx.array) -> tuple[list[tuple[int, mx.array, int]], mx.array]:
+    """The windows of `cu_seqlens` grouped by length, each group (length, the rows of its
+    windows in order, how many windows), and the order that puts the groups' rows back."""
+    for array, out in _BOUNDS.seen:
+        if array is cu_seqlens:
+            return out
     bounds = cu_seqlens.tolist()
     by_length: dict[int, list[int]] = defaultdict(list)
     for lo, hi in zip(bounds, bounds[1:], strict=False):
@@ -79,7 +82,7 @@ def _groups(cu_seqlens: mx.array) -> list[tuple[int, mx.array | None, int]]:
     for position, row in enumerate(order):
         inverse[row] = position
     out = (groups, mx.array(inverse, dtype=mx.int32))
-    _BOUNDS.array, _BOUNDS.groups = cu_seqlens, out
+    _BOUNDS.seen = [*_BOUNDS.seen[-1:], (cu_seqlens, out)]
     return out
 
 

@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from promptstore.errors import ImageInputError
+from promptstore.vision import towers
 from promptstore.vision.towers import batch_windows
 
 from .conftest import chat, picture, user
@@ -106,6 +107,8 @@ def test_batched_window_attention_equals_mlx_vlms(vision_model):
     every = model.inputs(prompt)
     tower = model.vlm.vision_tower
     ours = tower(every["pixel_values"], every["image_grid_thw"], output_hidden_states=False)
+    # Its window blocks and its full-attention block each read their bounds once, and keep them.
+    assert len({id(array) for array, _ in towers._BOUNDS.seen}) == 2
     batched = type(tower.blocks[0].attn)
     for block in tower.blocks:
         block.attn.__class__ = batched.__mro__[1]  # mlx-vlm's own Attention
