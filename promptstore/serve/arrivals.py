@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -96,24 +97,41 @@ class ArrivalBudget:
     the budget. At least one step runs each time, so a waiting request that
     cannot join (the batch drains first) never stops the batch's progress.
     `before_step` runs before each step (the store's deferred inserts).
+    Each step's start and end are kept (`steps_between`: a request's timeline
+    says how much of its wait for a first token was mlx-lm's batch steps).
     Distributed runs keep mlx-lm's budget: every rank must take the same steps."""
 
     def __init__(self, budget, requests, before_step=None):
         self.budget, self.requests, self.before_step = budget, requests, before_step
         self.distributed = mx.distributed.init().size() > 1
         self.steps = 0
+        self._done: deque[tuple[float, float]] = deque(maxlen=4096)  # steps (start, end), perf_counter
+        self._began: float | None = None  # the step under way
 
     def __iter__(self):
         if self.distributed:
             return iter(self.budget)
         iter(self.budget)  # starts mlx-lm's clock
         self.steps = 0
+        self._began = None  # a step mlx-lm's loop left by `break` (it produced nothing) is not kept
         return self
 
     def __next__(self):
+        if self._began is not None:  # the step before has ended: its tokens are out
+            self._done.append((self._began, time.perf_counter()))
+            self._began = None
         if self.steps > 0 and not self.requests.empty():
             raise StopIteration
         if self.before_step is not None:
             self.before_step()  # the previous step's tokens are out by now
         self.steps += 1
-        return next(self.budget)
+        item = next(self.budget)
+        self._began = time.perf_counter()
+        return item
+
+    def steps_between(self, start: float, end: float) -> tuple[int, float]:
+        """The batch steps begun between two instants, and the seconds of batch
+        steps between them (any thread may ask)."""
+        done = list(self._done)
+        begun = sum(1 for a, _ in done if start <= a < end)
+        return begun, sum(max(0.0, min(b, end) - max(a, start)) for a, b in done)

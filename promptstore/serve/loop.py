@@ -28,7 +28,7 @@ from .arrivals import ArrivalBudget, Arrivals
 from .cache import StoreCache, split_segments
 from .checks import Rendered
 from .metrics import HitFigures, MetricsAccess, ServeMetrics
-from .mlx_lm_server import ResponseGenerator
+from .mlx_lm_server import Response, ResponseGenerator
 from .replies import ChatTurn
 from .tenants import PUBLIC, KeyRing, TrackedPrompt
 from .timeline import logged
@@ -46,13 +46,20 @@ RANK_METRICS_S = 5.0  # in a group, every rank's store figures reach rank 0's /m
 
 class Replies(Queue):
     """A request's response queue: known to its generator until its last item
-    (None) or an error is put (see StoreResponseGenerator._fail_replies)."""
+    (None) or an error is put (see StoreResponseGenerator._fail_replies). The
+    generation thread's putting of the first token is marked in the request's
+    timeline (`put`; its context and its prompt's progress, put before, are not tokens)."""
 
-    def __init__(self, generator):
+    def __init__(self, generator, timeline: dict | None = None):
         super().__init__()
         self._generator = weakref.ref(generator)
+        self._timeline = timeline
 
     def put(self, item, block=True, timeout=None):
+        timeline = self._timeline
+        if timeline is not None and isinstance(item, Response):
+            timeline.setdefault("put", time.perf_counter())
+            self._timeline = None
         super().put(item, block, timeout)
         generator = self._generator()
         if generator is not None and (item is None or isinstance(item, BaseException)):
@@ -170,10 +177,14 @@ class StoreResponseGenerator(ResponseGenerator):
         timeline.setdefault("received", time.perf_counter())
         timeline["queued"] = time.perf_counter()
         self.arrivals.done(getattr(request, "arrival", None))
-        ctx, responses = self._queue(request, generation_args, progress_callback)
-        return ctx, logged(request, ctx, responses, timeline, self.store_cache.busy_between, self.metrics)
+        ctx, responses = self._queue(request, generation_args, progress_callback, timeline)
+        steps = getattr(self, "_steps", None)
+        steps_between = getattr(steps, "steps_between", None)
+        return ctx, logged(
+            request, ctx, responses, timeline, self.store_cache.busy_between, self.metrics, steps_between
+        )
 
-    def _queue(self, request, generation_args, progress_callback):
+    def _queue(self, request, generation_args, progress_callback, timeline: dict | None = None):
         """Queue the request, its response queue known to the generator until its
         last item (see _fail_replies); refused once generation stopped or closes."""
         if not self.generation_available() or self._closing is not None:
@@ -182,7 +193,7 @@ class StoreResponseGenerator(ResponseGenerator):
                 if self._closing is not None
                 else GenerationFailed("generation stopped", 503)
             )
-        replies = Replies(self)
+        replies = Replies(self, timeline)
         with self._replies_lock:
             self._replies.add(replies)
         return self.submit(request, generation_args, progress_callback, replies)

@@ -95,6 +95,7 @@ ModelDescription = _server.ModelDescription
 SamplingArguments = _server.SamplingArguments
 ToolCallFormatter = _server.ToolCallFormatter
 process_message_content = _server.process_message_content
+Response = _server.Response  # a generated token as mlx-lm's loop puts it in a request's queue
 Vision = _server.Vision  # a prompt's images as mlx-lm's image path takes them (serve/vision.py)
 load_tokenizer = _utils.load_tokenizer  # what mlx-lm's load reads a folder's tokenizer with
 maybe_set_recommended_wired_limit = _server.maybe_set_recommended_wired_limit

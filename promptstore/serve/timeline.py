@@ -12,10 +12,11 @@ from .tenants import PUBLIC
 log = logging.getLogger("promptstore.serve")
 
 
-def logged(request, ctx, responses, timeline: dict, busy_between, metrics):
+def logged(request, ctx, responses, timeline: dict, busy_between, metrics, steps_between=None):
     """`responses` passed through as they come, the request's first token marked,
     and at the end (or when the client goes) its log line and metrics.
-    busy_between: the generation thread's seconds in store calls between two instants."""
+    busy_between: the generation thread's seconds in store calls between two instants;
+    steps_between: mlx-lm's batch steps begun between two instants, and their seconds."""
     produced = 0
     try:
         for response in responses:
@@ -32,7 +33,7 @@ def logged(request, ctx, responses, timeline: dict, busy_between, metrics):
         first_token_out(ctx)  # or none will come
         timeline["done"] = time.perf_counter()
         prompt, restored = len(ctx.prompt), max(ctx.prompt_cache_count, 0)
-        phases = request_phases(timeline, busy_between)
+        phases = request_phases(timeline, busy_between, steps_between)
         tenant = getattr(request, "tenant", PUBLIC)
         first = phases["ttft_ms"] / 1e3 if "ttft_ms" in phases else None
         metrics.served(tenant, prompt, restored, timeline.get("restored"), first, produced)
@@ -60,13 +61,18 @@ def first_token_out(ctx) -> None:
         request.first_out = True
 
 
-def request_phases(timeline: dict, busy_between) -> dict[str, float]:
+def request_phases(timeline: dict, busy_between, steps_between=None) -> dict[str, float]:
     """A request's timeline as milliseconds per phase (those it reached): reading and
     parsing its body, checking the prompt (HTTP thread), waiting for the generation thread, rendering and
     tokenizing, the store's fetch, waiting for requests being checked beside
     it (Arrivals), then prefill and the first token; `store_ms`
     is the generation thread's time in store calls (fetches, inserts) between
-    arrival and the first token, this request's own fetch included."""
+    arrival and the first token, this request's own fetch included.
+
+    A text request's `prefill_first_ms` is split where the generation thread put
+    its first token in its queue: `batch_ms` before (of which `steps_ms` in
+    mlx-lm's batch steps, `steps` of them begun: its prompt's, and the decode
+    steps of the batch it joins) and `out_ms` after, until its HTTP thread took it."""
     marks = ["arrived", "received", "checked", "queued", "tokenize", "fetch", "fetched", "gathered", "first"]
     names = [
         "read_ms",
@@ -90,6 +96,12 @@ def request_phases(timeline: dict, busy_between) -> dict[str, float]:
                 out[name] = (timeline[b] - timeline[a]) * 1e3
         if "copies" in timeline:
             out["copy_ms"] = timeline["copies"] * 1e3
+    if "put" in timeline and "first" in timeline and "gathered" in timeline:
+        out["batch_ms"] = (timeline["put"] - timeline["gathered"]) * 1e3
+        if steps_between is not None:
+            begun, seconds = steps_between(timeline["gathered"], timeline["put"])
+            out["steps_ms"], out["steps"] = seconds * 1e3, float(begun)
+        out["out_ms"] = (timeline["first"] - timeline["put"]) * 1e3
     start = timeline.get("arrived", timeline.get("received"))
     if "first" in timeline and start is not None:
         out["ttft_ms"] = (timeline["first"] - start) * 1e3

@@ -129,6 +129,18 @@ def test_a_request_already_waiting_still_lets_one_step_run_each_time():
     assert [steps(budget) for _ in range(3)] == [1, 1, 1]  # the batch progresses while it drains
 
 
+def test_each_steps_start_and_end_are_kept_for_the_timelines():
+    requests = Queue()
+    budget = ArrivalBudget(TimeBudget(budget=3600), requests)
+    t0 = time.perf_counter()
+    n = steps(budget, on_step=lambda n: (time.sleep(0.01), requests.put("r") if n == 3 else None))
+    t1 = time.perf_counter()
+    begun, seconds = budget.steps_between(t0, t1)
+    assert n == 3 and begun == 3  # the third ended as the run did (a request waited)
+    assert 0.03 <= seconds <= t1 - t0
+    assert budget.steps_between(t1, t1 + 60) == (0, 0.0)
+
+
 def test_the_generator_wraps_the_budget_mlx_lm_sets():
     from promptstore.serve.loop import StoreResponseGenerator
 

@@ -137,6 +137,8 @@ def test_after_a_restart_the_warm_start_makes_the_next_turn_a_hit_from_memory(se
     assert cached >= rendered_length(model, messages[:-1])
     served = [line for line in server.log().splitlines() if "request (public)" in line][-1]
     assert "(0 from disk, memory)" in served, served
+    # The wait for the first token, split where the generation thread put it (serve/timeline.py).
+    assert all(f" {k}=" in served for k in ("batch_ms", "steps_ms", "steps", "out_ms")), served
     assert server.stop() == 0
 
 

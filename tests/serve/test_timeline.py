@@ -36,3 +36,19 @@ def test_a_prompt_with_images_has_the_stores_prefill_phases():
 def test_a_timeline_kept_before_arrivals_were_marked_counts_from_its_receipt():
     phases = request_phases(dict(received=2.0, checked=2.01, first=2.3), no_store_calls)
     assert round(phases["ttft_ms"]) == 300 and "read_ms" not in phases
+
+
+def test_a_text_requests_wait_for_its_first_token_is_split_where_its_token_was_put():
+    marks = dict(arrived=1.0, received=1.0, checked=1.0, queued=1.0, tokenize=1.0, fetch=1.0)
+    marks.update(fetched=1.01, gathered=1.02, put=1.32, first=1.34)
+    steps = [(1.0, 1.05), (1.1, 1.2), (1.25, 1.3), (1.32, 1.4)]  # the first began before, the last after
+
+    def steps_between(a, b):
+        return sum(1 for s, _ in steps if a <= s < b), sum(max(0.0, min(e, b) - max(s, a)) for s, e in steps)
+
+    phases = request_phases(marks, no_store_calls, steps_between)
+    assert round(phases["prefill_first_ms"]) == 320
+    assert round(phases["batch_ms"]) == 300 and round(phases["out_ms"]) == 20
+    assert phases["steps"] == 2 and round(phases["steps_ms"]) == 30 + 100 + 50
+    del marks["put"]  # a request whose first token was never put (its client went first)
+    assert "batch_ms" not in request_phases(marks, no_store_calls, steps_between)

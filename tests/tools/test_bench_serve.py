@@ -149,3 +149,13 @@ def test_a_sharded_server_is_started_by_mlx_launch_running_a_script_of_its_own(t
         assert script[1] == ("serve" if name == PROMPTSTORE else "--model")
     alone = build(MLX_LM, Setup("python3", tmp_path / "model", 1 << 20, 8, {}, tmp_path, [], None, ""))
     assert alone.group is None and alone.cmd[:4] == ["python3", "-m", "mlx_lm", "server"]
+
+
+def test_a_rounds_line_says_the_batch_steps_and_the_handoff_of_its_first_tokens():
+    line = (
+        "12:00:02,000 INFO promptstore.serve.timeline: request (default): prompt 300 tokens, restored 200; "
+        "fetch_ms=2.0 prefill_first_ms=40.0 batch_ms=38.0 steps_ms=30.0 steps=3.0 out_ms=2.0"
+    )
+    rows = promptstore_log([line])["timelines"]
+    said = round_said({"timelines": rows, "restored_share": 2 / 3, "from_disk_tokens": 0})
+    assert ", prefill_first 40 ms, steps 30 ms (3 steps), out 2 ms" in said, said

@@ -160,7 +160,8 @@ def fire(server: Server, asks: list[tuple[int, list[dict]]], max_tokens: int, wa
 def round_said(diag: dict) -> str:
     """promptstore serve's round from its log, for the progress line (a run cut
     short still leaves it): restored share, tokens from disk and how, medians of
-    the fetch and of the rest to the first token, and the forwards run to store
+    the fetch and of the rest to the first token (of which mlx-lm's batch steps,
+    and how many, and the handoff of the token put), and the forwards run to store
     replies (with the replies they stored) beside the replies stored with none,
     as logged since the server's previous round was read (Run.window)."""
     rows = diag.get("timelines")
@@ -170,10 +171,12 @@ def round_said(diag: dict) -> str:
     how = f" ({', '.join(f'{k} x{n}' for k, n in plans.items())})" if plans else ""
     share = diag["restored_share"]
     said = f"; restored {'-' if share is None else f'{share:.0%}'}, {diag['from_disk_tokens']:,} tokens from disk{how}"
-    for phase in ("fetch_ms", "prefill_first_ms"):
+    for phase in ("fetch_ms", "prefill_first_ms", "steps_ms", "out_ms"):
         values = [r[phase] for r in rows if phase in r]
         if values:
             said += f", {phase[:-3]} {statistics.median(values):,.0f} ms"
+        if phase == "steps_ms" and (counts := [r["steps"] for r in rows if "steps" in r]):
+            said += f" ({statistics.median(counts):g} steps)"
     if "reply_forwards" in diag:
         said += (
             f"; reply forwards {diag['reply_forwards']} ({diag['replies_by_forwards']} replies), "
