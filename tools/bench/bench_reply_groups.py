@@ -26,7 +26,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from bench_serve import PROFILES as SERVE_PROFILES
-from common import blas_info, blas_warning, describe_device, write_results
+from common import blas_info, blas_warning, write_device_results
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -139,20 +139,8 @@ def main() -> int:
                 print(f"{users:>5} {row['prompt_tokens']:>6}  {cells}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the cuda profile's model is 16 GB
-    device = "cpu" if mx.default_device() == mx.cpu else "cuda"
-    out = write_results(
-        args.out or f"bench-results/chat-users/reply-groups-{device}.json",
-        {
-            "benchmark": "reply groups",
-            "device": describe_device(),
-            "command": "python tools/bench/bench_reply_groups.py " + " ".join(sys.argv[1:]),
-            "model": profile["note"],
-            "runs": args.runs,
-            "rows": rows,
-        },
-        blas,
-    )
-    print(f"wrote {out}")
+    note = profile["note"]
+    write_device_results("reply-groups", __file__, blas, args, benchmark="reply groups", model=note, rows=rows)
     return 0
 
 

@@ -274,6 +274,18 @@ def print_goals(rows: list[tuple[str, float | None, str]]) -> None:
         print(f"  {what:{width}}  {shown:>9}  {goal}")
 
 
+def write_device_results(stem: str, script: str, blas: dict, args, **payload) -> Path:
+    """`payload`, with this device, the command (`script` and this process's
+    arguments) and `args.runs`, written to `args.out` or to
+    bench-results/chat-users/<stem>-<cpu|cuda>.json (the probes of issue 62); says where."""
+    device = "cpu" if mx.default_device() == mx.cpu else "cuda"
+    command = f"python {Path(script).resolve().relative_to(REPO_ROOT)} " + " ".join(sys.argv[1:])
+    path = args.out or f"bench-results/chat-users/{stem}-{device}.json"
+    out = write_results(path, {"device": describe_device(), "command": command, "runs": args.runs, **payload}, blas)
+    print(f"wrote {out}")
+    return out
+
+
 def write_results(path: str | Path, payload: dict, blas: dict) -> Path:
     """Write `payload` as JSON with the date, machine and BLAS added; relative
     paths are taken from the repository root."""

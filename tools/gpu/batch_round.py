@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from bench_serve import PROFILES as SERVE_PROFILES  # noqa: E402
-from common import blas_info, describe_device, write_results  # noqa: E402
+from common import blas_info, write_device_results  # noqa: E402
 
 from promptstore import PromptStore  # noqa: E402
 from promptstore import caches as C  # noqa: E402
@@ -207,20 +207,8 @@ def main() -> int:
             mx.clear_cache()
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the cuda profile's model is 16 GB
-    device = "cpu" if mx.default_device() == mx.cpu else "cuda"
-    out = write_results(
-        args.out or f"bench-results/chat-users/batch-round-{device}.json",
-        {
-            "benchmark": "batch round",
-            "device": describe_device(),
-            "command": "python tools/gpu/batch_round.py " + " ".join(sys.argv[1:]),
-            "model": profile["note"],
-            "runs": args.runs,
-            "rows": rows,
-        },
-        blas_info(),
-    )
-    print(f"wrote {out}")
+    note = profile["note"]
+    write_device_results("batch-round", __file__, blas_info(), args, benchmark="batch round", model=note, rows=rows)
     return 0
 
 
