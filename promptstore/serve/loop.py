@@ -178,8 +178,8 @@ class StoreResponseGenerator(ResponseGenerator):
         timeline["queued"] = time.perf_counter()
         self.arrivals.done(getattr(request, "arrival", None))
         ctx, responses = self._queue(request, generation_args, progress_callback, timeline)
-        steps = getattr(self, "_steps", None)
-        steps_between = getattr(steps, "steps_between", None)
+        steps = getattr(self, "_steps", None)  # a group's ranks keep mlx-lm's budget: no steps are timed
+        steps_between = steps.steps_between if isinstance(steps, ArrivalBudget) and not steps.distributed else None
         return ctx, logged(
             request, ctx, responses, timeline, self.store_cache.busy_between, self.metrics, steps_between
         )
