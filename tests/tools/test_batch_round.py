@@ -29,7 +29,7 @@ def test_every_way_gives_each_user_a_full_prefills_first_token(tmp_path):
     )
     contexts = [batch_round.tokens(u, 40 + 16 * u) for u in range(3)]
     new = [batch_round.tokens(1000 + u, 9 + 2 * u) for u in range(3)]
-    caches = [batch_round.prefill(model, ids) for ids in contexts]
+    caches = [batch_round.prefilled(model, ids) for ids in contexts]
     expected = []
     for ids, more in zip(contexts, new):
         logits = model(mx.array(ids + more)[None])

@@ -279,13 +279,9 @@ def write_device_results(stem: str, script: str, blas: dict, args, **payload) ->
     arguments) and `args.runs`, written to `args.out` or to
     bench-results/chat-users/<stem>-<cpu|cuda>.json (the probes of issue 62); says where."""
     device = "cpu" if mx.default_device() == mx.cpu else "cuda"
-    argv = sys.argv[1:]
-    kept = [
-        a for i, a in enumerate(argv) if a != "--out" and not a.startswith("--out=") and argv[i - 1 : i] != ["--out"]
-    ]
-    command = " ".join(
-        ["python", str(Path(script).resolve().relative_to(REPO_ROOT)), *kept]
-    )  # where it wrote: not said
+    argv = sys.argv[1:]  # less --out and its path: where it wrote is not said
+    kept = [a for i, a in enumerate(argv) if not a.startswith("--out") and argv[i - 1 : i] != ["--out"]]
+    command = " ".join(["python", str(Path(script).resolve().relative_to(REPO_ROOT)), *kept])
     path = args.out or f"bench-results/chat-users/{stem}-{device}.json"
     out = write_results(path, {"device": describe_device(), "command": command, "runs": args.runs, **payload}, blas)
     print(f"wrote {out}")

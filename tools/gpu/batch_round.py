@@ -42,6 +42,7 @@ from common import blas_info, write_device_results  # noqa: E402
 
 from promptstore import PromptStore  # noqa: E402
 from promptstore import caches as C  # noqa: E402
+from promptstore.generation import prefill  # noqa: E402
 from promptstore.serve.cache import StoreCache  # noqa: E402
 from promptstore.serve.tenants import PUBLIC  # noqa: E402
 from promptstore.testing.model_dir import write_model_dir  # noqa: E402
@@ -64,11 +65,10 @@ def tokens(seed: int, n: int) -> list[int]:
     return [1 + (seed * 7919 + i * 104729) % (VOCAB - 1) for i in range(n)]
 
 
-def prefill(model, ids: list[int], step: int = 2048) -> list:
+def prefilled(model, ids: list[int]) -> list:
+    """A new cache holding `ids` (the server's 2,048-token steps)."""
     cache = C.make_prompt_cache(model)
-    for lo in range(0, len(ids), step):
-        model(mx.array(ids[lo : lo + step])[None], cache=cache)
-        mx.eval([c.state for c in cache])
+    prefill(model, cache, ids, 0, len(ids), 2048)
     return cache
 
 
@@ -86,7 +86,8 @@ def one_round(model, contexts, caches, store: StoreCache | None, new: list[list[
     milliseconds, prompts and tokens, and each user's first token."""
     users = len(contexts)
     if store is None:
-        handed = [(copied(model, caches[u], len(contexts[u])), new[u]) for u in range(users)]
+        # (cache, tokens after it, a list of those it holds: mlx-lm's batch appends to it)
+        handed = [(copied(model, caches[u], len(contexts[u])), new[u], list(contexts[u])) for u in range(users)]
     else:
         handed, held = [], []
         for u in range(users):
@@ -95,7 +96,7 @@ def one_round(model, contexts, caches, store: StoreCache | None, new: list[list[
             cache, rest = store.fetch_nearest_cache(store.model_key, prompt)
             if cache is None:
                 raise RuntimeError("the store missed a conversation it holds")
-            handed.append((cache, rest))
+            handed.append((cache, rest, prompt[: len(prompt) - len(rest)]))
     generator = BatchGenerator(
         model,
         completion_batch_size=max(32, users),
@@ -111,7 +112,7 @@ def one_round(model, contexts, caches, store: StoreCache | None, new: list[list[
                 segments=[[handed[u][1]] for u in which],
                 max_tokens=[2] * len(which),
                 caches=[handed[u][0] for u in which],
-                all_tokens=[contexts[u][: len(contexts[u]) + len(new[u]) - len(handed[u][1])] for u in which],
+                all_tokens=[handed[u][2] for u in which],
             )
         )
 
@@ -168,7 +169,7 @@ def main() -> int:
         )
         for users in args.users:
             contexts = [tokens(u, context + 16 * u) for u in range(users)]
-            caches = [prefill(model, ids) for ids in contexts]
+            caches = [prefilled(model, ids) for ids in contexts]
             with PromptStore.open(work / f"store-{users}") as kept_in:
                 store = StoreCache(kept_in, model_id="probe")
                 store.attach(model, tokenizer, None, ("m", None, None), prefill_step=2048)
